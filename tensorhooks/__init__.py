@@ -1,0 +1,29 @@
+"""tensorhooks: faster, safer saved-tensor hooks and multi-grad hooks for PyTorch autograd.
+
+The public names mirror :mod:`torch.autograd.graph` (same signatures and defaults), so
+``import tensorhooks as graph`` works in code written for torch.
+"""
+
+from ._errors import GraphTaskError as GraphTaskError
+from ._errors import InvalidHookArgumentError as InvalidHookArgumentError
+from ._errors import InvalidHookModeError as InvalidHookModeError
+from ._errors import SavedTensorModifiedError as SavedTensorModifiedError
+from ._errors import TensorHooksError as TensorHooksError
+from ._multigrad import register_multi_grad_hook as register_multi_grad_hook
+from ._saved import disable_saved_tensors_hooks as disable_saved_tensors_hooks
+from ._saved import saved_tensors_hooks as saved_tensors_hooks
+from ._store import live_graph_tasks as live_graph_tasks
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GraphTaskError",
+    "InvalidHookArgumentError",
+    "InvalidHookModeError",
+    "SavedTensorModifiedError",
+    "TensorHooksError",
+    "disable_saved_tensors_hooks",
+    "live_graph_tasks",
+    "register_multi_grad_hook",
+    "saved_tensors_hooks",
+]

@@ -1,0 +1,241 @@
+"""Hooks that fire once per backward for a group of tensors: when all, or any, got a gradient.
+
+# NOTE [Counting the gradients an "all" hook waits for]
+#
+# A multi-grad hook in mode "all" registers one tensor hook per distinct tensor and must call
+# ``fn`` exactly once per backward, after the last of those hooks that will fire in that
+# backward. When the first of its hooks fires in a graph task, the hook asks the engine, for each
+# tensor's node (``grad_fn``, or the gradient accumulator of a leaf), whether that node runs in
+# this task (``torch._C._will_engine_execute_node``), and counts the hooks to wait for. All of it
+# (the expected count, the calls seen so far, the buffered grads) lives in the graph-task store
+# under a key private to the hook, so concurrent backward calls never share a counter and nothing
+# survives the task, whether backward succeeded or raised.
+#
+# Two places where the engine's answer is not the exact set of hooks that fire:
+#   * ``autograd.grad(..., inputs=leaf)``: the engine raises for a captured leaf's accumulator
+#     (pytorch issue 131753). A captured leaf's tensor hook does fire, so that counts as "runs".
+#   * a node that runs because some *other* output of it was captured by ``autograd.grad``: the
+#     engine says it runs, but the hook of the uncaptured output does not fire.
+# Either way the count may only be too high, never too low. So in addition to firing when the
+# count is reached, each hook queues an end-of-task callback that fires ``fn`` with the grads seen
+# so far if the count was never reached. ``fn`` still runs exactly once, with exactly the grads
+# whose hooks fired.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Literal, cast
+
+import torch
+from torch.autograd.graph import Node
+from torch.utils.hooks import RemovableHandle
+
+from ._errors import InvalidHookArgumentError, InvalidHookModeError
+from ._store import GraphTaskState, graph_task_store
+
+__all__ = ["MultiGradHandle", "register_multi_grad_hook"]
+
+_will_engine_execute_node: Callable[[Node], bool] = torch._C._will_engine_execute_node
+
+AllHook = Callable[[Sequence[torch.Tensor | None]], None]
+AnyHook = Callable[[torch.Tensor], None]
+_MODES = ("all", "any")
+
+
+class MultiGradHandle(RemovableHandle):
+    """Removes every tensor hook of one multi-grad hook; picklable like torch's handle."""
+
+    handles: tuple[RemovableHandle, ...]
+
+    def __init__(self, handles: tuple[RemovableHandle, ...]) -> None:
+        self.handles = handles
+
+    def remove(self) -> None:
+        """Remove the hook from every tensor. Calling it again does nothing."""
+        for handle in self.handles:
+            handle.remove()
+
+    def __getstate__(self) -> tuple[RemovableHandle, ...]:
+        return self.handles
+
+    def __setstate__(self, state: tuple[RemovableHandle, ...]) -> None:
+        self.handles = state
+
+
+def _grad_node(tensor: torch.Tensor) -> Node:
+    """The node whose execution fires ``tensor``'s hooks: its grad_fn, or a leaf's accumulator.
+
+    Holding a leaf's accumulator keeps it alive: autograd only caches it weakly, and a new one
+    would be a different node from the one the engine runs.
+    """
+    if tensor.grad_fn is not None:
+        return tensor.grad_fn
+    with torch.enable_grad():
+        accumulator: Node = tensor.view_as(tensor).grad_fn.next_functions[0][0]  # type: ignore[union-attr, assignment]  # a leaf requiring grad has one
+    return accumulator
+
+
+def _hook_fires(node: Node) -> bool:
+    """Whether the tensor hooks of ``node`` fire in the current graph task (see NOTE above)."""
+    try:
+        return _will_engine_execute_node(node)
+    except RuntimeError:
+        # Only raised for a leaf accumulator captured by autograd.grad, whose hook fires.
+        return True
+
+
+class _AllState:
+    __slots__ = ("calls", "expected", "fired", "grads")
+
+    def __init__(self, expected: int, size: int) -> None:
+        self.expected = expected
+        self.calls = 0
+        self.fired = False
+        self.grads: list[torch.Tensor | None] = [None] * size
+
+
+def _register_all(
+    tensors: Sequence[torch.Tensor], groups: dict[int, list[int]], fn: AllHook
+) -> tuple[RemovableHandle, ...]:
+    key = object()
+    size = len(tensors)
+    nodes = [_grad_node(tensors[positions[0]]) for positions in groups.values()]
+
+    def state_for(task: GraphTaskState) -> _AllState:
+        state = _AllState(sum(map(_hook_fires, nodes)), size)
+
+        def flush() -> None:
+            with task.lock:
+                late = not state.fired and state.calls > 0
+                state.fired = True
+            if late:
+                fn(state.grads)
+
+        task.on_end(flush)
+        return state
+
+    def make_hook(positions: tuple[int, ...]) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            task = graph_task_store.current()
+            state: _AllState = task.get(key, lambda: state_for(task))
+            with task.lock:
+                for position in positions:
+                    state.grads[position] = grad
+                state.calls += 1
+                ready = state.calls >= state.expected and not state.fired
+                if ready:
+                    state.fired = True
+            if ready:
+                fn(state.grads)
+
+        return hook
+
+    return tuple(
+        tensors[positions[0]].register_hook(make_hook(tuple(positions)))  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+        for positions in groups.values()
+    )
+
+
+def _register_any(
+    tensors: Sequence[torch.Tensor], groups: dict[int, list[int]], fn: AnyHook
+) -> tuple[RemovableHandle, ...]:
+    key = object()
+
+    @functools.wraps(fn)
+    def hook(grad: torch.Tensor) -> None:
+        task = graph_task_store.current()
+        claim = object()
+        # dict.setdefault is atomic: exactly one hook call per graph task wins the claim.
+        if task.slots.setdefault(key, claim) is claim:
+            fn(grad)
+
+    return tuple(
+        tensors[positions[0]].register_hook(hook)  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+        for positions in groups.values()
+    )
+
+
+def register_multi_grad_hook(
+    tensors: Sequence[torch.Tensor],
+    fn: AllHook | AnyHook,
+    *,
+    mode: Literal["all", "any"] = "all",
+) -> RemovableHandle:
+    """Register a hook that fires once per backward for a group of tensors.
+
+    In mode ``"all"``, ``fn(grads)`` is called once per backward call in which any of
+    ``tensors`` receives a gradient, after every tensor whose gradient is computed in that call
+    has it. ``grads[i]`` is the gradient of ``tensors[i]``, or ``None`` when it was not computed
+    (not part of the graph, not needed for the ``inputs`` of the call, or not requiring grad).
+    In mode ``"any"``, ``fn(grad)`` is called once per backward call, with the first gradient
+    computed for any of ``tensors``.
+
+    Same semantics as :func:`torch.autograd.graph.register_multi_grad_hook`, and also: no state
+    is kept after any backward call, successful or not; the counting is exact when many threads
+    run backward at once; ``torch.autograd.grad`` with leaf ``inputs`` works; a tensor listed
+    twice gets its gradient in both positions; tensors that do not require grad are accepted in
+    mode ``"all"`` and always get ``None`` (torch raises).
+
+    Example:
+        >>> import torch, tensorhooks
+        >>> a = torch.rand(2, 3, requires_grad=True)
+        >>> b = torch.rand(2, 3, requires_grad=True)
+        >>> c = a * b
+        >>> handle = tensorhooks.register_multi_grad_hook(
+        ...     (a, b, c), lambda grads: print([g is not None for g in grads]))
+        >>> c.sum().backward(retain_graph=True)
+        [True, True, True]
+        >>> c.sum().backward(inputs=(a,))
+        [True, False, True]
+        >>> handle.remove()
+
+    Args:
+        tensors: the tensors to watch.
+        fn: ``fn(grads: Sequence[Tensor | None])`` in mode ``"all"``, ``fn(grad: Tensor)`` in
+            mode ``"any"``. It must not modify its arguments.
+        mode: ``"all"`` (default) or ``"any"``.
+
+    Returns:
+        A handle whose ``remove()`` unregisters the hook; it pickles like torch's.
+
+    Raises:
+        ValueError: if ``mode`` is not ``"all"`` or ``"any"``.
+        TypeError: if ``tensors`` holds something that is not a tensor, or ``fn`` is not
+            callable.
+
+    Threads: the hook may be registered on one thread and fire on any; concurrent backward
+    calls each get their own count, and ``fn`` may run concurrently for different calls.
+    """
+    if mode not in _MODES:
+        raise InvalidHookModeError(
+            f"register_multi_grad_hook: mode must be one of {_MODES}, got {mode!r}"
+        )
+    if isinstance(tensors, torch.Tensor):  # type: ignore[unreachable]  # a common mistake, checked at runtime
+        raise InvalidHookArgumentError(
+            "register_multi_grad_hook: tensors must be a sequence of tensors, got a single "
+            "Tensor; wrap it in a list: register_multi_grad_hook([tensor], fn)"
+        )
+    tensors = tuple(tensors)
+    for index, tensor in enumerate(tensors):
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidHookArgumentError(
+                f"register_multi_grad_hook: tensors[{index}] is {tensor!r} of type "
+                f"{type(tensor).__name__}, not a torch.Tensor; pass only tensors"
+            )
+    if not callable(fn):
+        raise InvalidHookArgumentError(
+            f"register_multi_grad_hook: fn must be callable, got {fn!r} of type {type(fn).__name__}"
+        )
+    # One tensor hook per distinct tensor that can receive a gradient; a tensor listed twice
+    # fills every position it appears at.
+    groups: dict[int, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        if tensor.requires_grad:
+            groups.setdefault(id(tensor), []).append(index)
+    if mode == "all":
+        handles = _register_all(tensors, groups, cast(AllHook, fn))
+    else:
+        handles = _register_any(tensors, groups, cast(AnyHook, fn))
+    return MultiGradHandle(handles)

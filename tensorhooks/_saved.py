@@ -1,0 +1,259 @@
+"""Pack/unpack hooks for tensors saved for backward, and the switch that disables them.
+
+# NOTE [Guarding saved tensors that pack returned as-is]
+#
+# Plain autograd remembers the version counter of every tensor it saves and raises at backward
+# if the tensor was changed in place since ("one of the variables needed for gradient computation
+# has been modified by an inplace operation"). Once a pack hook is installed autograd stores the
+# hook's return value instead and skips that check, trusting the hook to have made a copy. A pack
+# hook that returns the tensor itself (``lambda t: t``), a ``detach()`` of it, a view of it, or
+# anything else sharing its storage breaks that trust: an in-place change before backward flows
+# silently into the gradient.
+#
+# Every pair of hooks pushed by tensorhooks is therefore wrapped by a *save guard*. The default
+# guard looks at what pack returned (a tensor, or a tuple/list of them): if it shares storage
+# with the saved tensor (``torch._C._is_alias_of``), the guard records the saved tensor's version
+# and re-checks it before calling unpack, raising autograd's own error on a mismatch. When pack
+# made a real copy nothing is recorded and unpack is called directly. Guards are per thread and
+# replaceable: ``allow_mutation_on_saved_tensors`` installs one that clones before writes instead
+# of raising, so hooks pushed inside it keep its protection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Generator
+from typing import Any, Protocol
+
+import torch
+
+from ._errors import InvalidHookArgumentError, SavedTensorModifiedError
+
+__all__ = [
+    "PackHook",
+    "SaveGuard",
+    "UnpackHook",
+    "VersionGuard",
+    "current_save_guard",
+    "disable_saved_tensors_hooks",
+    "saved_tensors_hooks",
+    "use_save_guard",
+]
+
+PackHook = Callable[[torch.Tensor], Any]
+UnpackHook = Callable[[Any], torch.Tensor]
+
+# Not in torch's stubs; True when two tensors share a storage.
+_is_alias_of: Callable[[torch.Tensor, torch.Tensor], bool] = torch._C._is_alias_of  # type: ignore[attr-defined]
+_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+
+
+class SaveGuard(Protocol):
+    """Turns a user's pack/unpack pair into the pair that is actually pushed to autograd.
+
+    A guard decides what happens when a tensor whose packed form still shares its storage is
+    changed in place before backward: raise (:class:`VersionGuard`) or hand back the save-time
+    value (the guard of ``allow_mutation_on_saved_tensors``).
+    """
+
+    def wrap(self, pack_hook: PackHook, unpack_hook: UnpackHook) -> tuple[PackHook, UnpackHook]:
+        """Return the pack/unpack pair to push in place of ``(pack_hook, unpack_hook)``."""
+        ...
+
+
+def _aliases(packed: object, tensor: torch.Tensor) -> bool:
+    """Whether ``packed`` (a tensor, or a tuple/list of them) shares ``tensor``'s storage."""
+    if isinstance(packed, torch.Tensor):
+        return packed is tensor or _is_alias_of(packed, tensor)
+    if isinstance(packed, (tuple, list)):
+        return any(
+            isinstance(item, torch.Tensor) and (item is tensor or _is_alias_of(item, tensor))
+            for item in packed
+        )
+    return False
+
+
+def modified_error(tensor: torch.Tensor, saved_version: int) -> SavedTensorModifiedError:
+    """Build autograd's in-place error for ``tensor``, saved at ``saved_version``."""
+    return SavedTensorModifiedError(
+        "one of the variables needed for gradient computation has been modified by an inplace "
+        f"operation: [{tensor.type()} {list(tensor.shape)}] is at version {tensor._version}; "
+        f"expected version {saved_version} instead. Hint: the pack hook returned a tensor that "
+        "shares storage with the saved tensor, so backward would have read the changed values. "
+        "Return a copy from pack_hook (e.g. tensor.clone()), avoid changing the tensor in place "
+        "before backward, or run the forward pass under "
+        "tensorhooks.allow_mutation_on_saved_tensors()."
+    )
+
+
+class _AliasedSave:
+    """What the version guard stores when pack returned something sharing the saved storage."""
+
+    __slots__ = ("packed", "source", "version")
+
+    def __init__(self, packed: object, source: torch.Tensor, version: int) -> None:
+        self.packed = packed
+        self.source = source
+        self.version = version
+
+
+class VersionGuard:
+    """The default guard: raise autograd's in-place error instead of unpacking changed data.
+
+    See NOTE [Guarding saved tensors that pack returned as-is].
+    """
+
+    def wrap(self, pack_hook: PackHook, unpack_hook: UnpackHook) -> tuple[PackHook, UnpackHook]:
+        """Return ``(pack_hook, unpack_hook)`` with the version check around them."""
+
+        def pack(tensor: torch.Tensor) -> object:
+            packed = pack_hook(tensor)
+            if _aliases(packed, tensor):
+                # Read the version through a tensor that shares the version counter. Holding
+                # ``tensor`` itself would add a reference cycle when it is the output of the very
+                # node that saves it; a detached alias holds no graph.
+                source = packed if packed is tensor else tensor.detach()
+                return _AliasedSave(packed, source, tensor._version)
+            return packed
+
+        def unpack(stored: object) -> torch.Tensor:
+            if type(stored) is _AliasedSave:
+                if stored.source._version != stored.version:
+                    raise modified_error(stored.source, stored.version)
+                stored = stored.packed
+            return unpack_hook(stored)
+
+        return pack, unpack
+
+
+class _GuardState(threading.local):
+    def __init__(self) -> None:
+        self.guard: SaveGuard = _VERSION_GUARD
+
+
+_VERSION_GUARD = VersionGuard()
+_guard_state = _GuardState()
+
+
+def current_save_guard() -> SaveGuard:
+    """Return the save guard in force on this thread."""
+    return _guard_state.guard
+
+
+@contextlib.contextmanager
+def use_save_guard(guard: SaveGuard) -> Generator[None, None, None]:
+    """Make ``guard`` wrap every pair of hooks pushed by tensorhooks on this thread, then restore.
+
+    Pairs pushed before entering keep the guard they were pushed with.
+    """
+    previous = _guard_state.guard
+    _guard_state.guard = guard
+    try:
+        yield
+    finally:
+        _guard_state.guard = previous
+
+
+class saved_tensors_hooks:
+    """Context manager that sets a pair of pack/unpack hooks for tensors saved for backward.
+
+    Inside the context, ``pack_hook`` is called every time an operation saves a tensor for
+    backward (built-in ops and custom Functions' ``save_for_backward`` alike), and autograd
+    stores what it returns. When backward needs the tensor, ``unpack_hook`` gets that object back
+    and must return a tensor with the same content as the one given to ``pack_hook``.
+
+    Same semantics as :class:`torch.autograd.graph.saved_tensors_hooks`, plus one safety net: if
+    ``pack_hook`` returns the tensor it was given, or anything sharing its storage, and that
+    tensor is then changed in place before backward, unpacking raises autograd's own in-place
+    error instead of handing back the changed data.
+
+    Example:
+        >>> import torch, tensorhooks
+        >>> a = torch.ones(3, requires_grad=True)
+        >>> with tensorhooks.saved_tensors_hooks(lambda t: t.to(torch.bfloat16),
+        ...                                      lambda t: t.to(torch.float32)):
+        ...     y = (a * a).sum()
+        >>> y.backward()
+        >>> a.grad
+        tensor([2., 2., 2.])
+
+    Args:
+        pack_hook: ``pack_hook(tensor) -> Any``, called when a tensor is saved.
+        unpack_hook: ``unpack_hook(packed) -> Tensor``, called when backward needs it.
+
+    Raises:
+        RuntimeError: on entry, if hooks are disabled by ``disable_saved_tensors_hooks`` (the
+            message is the one given there).
+        SavedTensorModifiedError: during backward, if a tensor that pack returned as-is was
+            changed in place after it was saved (a ``RuntimeError``).
+
+    Nesting and threads: only the innermost pair is applied, as in torch. The hooks in force are
+    per thread; a context entered on one thread does not affect forward passes on another. The
+    hooks stored with a saved tensor are called by backward on whatever thread runs it. The same
+    instance may be entered several times, nested or from several threads.
+    """
+
+    def __init__(self, pack_hook: PackHook, unpack_hook: UnpackHook) -> None:
+        for name, value in (("pack_hook", pack_hook), ("unpack_hook", unpack_hook)):
+            if callable(value):
+                continue
+            raise InvalidHookArgumentError(
+                f"saved_tensors_hooks: {name} must be callable, got {value!r} of type "
+                f"{type(value).__name__}; pass a function such as `lambda t: t.clone()`"
+            )
+        self.pack_hook = pack_hook
+        self.unpack_hook = unpack_hook
+
+    def __enter__(self) -> None:
+        pack, unpack = _guard_state.guard.wrap(self.pack_hook, self.unpack_hook)
+        _push_hooks(pack, unpack)
+
+    def __exit__(self, *args: object) -> None:
+        _pop_hooks()
+
+
+@contextlib.contextmanager
+def disable_saved_tensors_hooks(error_message: str) -> Generator[None, None, None]:
+    """Context manager that disables saved-tensor hooks, for features that cannot take them.
+
+    While it is active, entering any saved-tensor hooks context (tensorhooks' or torch's)
+    raises ``RuntimeError(error_message)``. On exit, by any path, the previous state is restored,
+    including the message of an enclosing ``disable_saved_tensors_hooks``.
+
+    Example:
+        >>> import tensorhooks
+        >>> with tensorhooks.disable_saved_tensors_hooks("no hooks in this region"):
+        ...     with tensorhooks.saved_tensors_hooks(lambda t: t, lambda t: t):
+        ...         pass
+        Traceback (most recent call last):
+        ...
+        RuntimeError: no hooks in this region
+
+    Args:
+        error_message: the message of the ``RuntimeError`` raised when hooks are used while
+            disabled.
+
+    Raises:
+        TypeError: if ``error_message`` is not a string.
+
+    Nesting and threads: nests; the innermost message applies and the outer one is back after
+    the inner context exits. The disabled state is per thread, as in torch. Hooks already pushed
+    when entering stay in force for tensors saved inside (torch's semantics): only *entering* new
+    hooks is refused.
+    """
+    if not isinstance(error_message, str):
+        raise InvalidHookArgumentError(
+            f"disable_saved_tensors_hooks: error_message must be a str, got {error_message!r} "
+            f"of type {type(error_message).__name__}"
+        )
+    previous = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()
+    torch._C._autograd._saved_tensors_hooks_disable(error_message)
+    try:
+        yield
+    finally:
+        if previous is None:
+            torch._C._autograd._saved_tensors_hooks_enable()
+        else:
+            torch._C._autograd._saved_tensors_hooks_disable(previous)
