@@ -11,15 +11,13 @@
 # under a key private to the hook, so concurrent backward calls never share a counter and nothing
 # survives the task, whether backward succeeded or raised.
 #
-# Two places where the engine's answer is not the exact set of hooks that fire:
-#   * ``autograd.grad(..., inputs=leaf)``: the engine raises for a captured leaf's accumulator
-#     (pytorch issue 131753). A captured leaf's tensor hook does fire, so that counts as "runs".
-#   * a node that runs because some *other* output of it was captured by ``autograd.grad``: the
-#     engine says it runs, but the hook of the uncaptured output does not fire.
-# Either way the count may only be too high, never too low. So in addition to firing when the
-# count is reached, each hook queues an end-of-task callback that fires ``fn`` with the grads seen
-# so far if the count was never reached. ``fn`` still runs exactly once, with exactly the grads
-# whose hooks fired.
+# One place where the engine cannot answer: ``autograd.grad(..., inputs=leaf)`` makes it raise for
+# a captured leaf's accumulator (pytorch issue 131753). A captured leaf's tensor hook does fire,
+# so that counts as "runs". Should the count ever be too high for another reason (a hook the
+# engine says will run but that does not), the hook still must not be lost: each hook also queues
+# an end-of-task callback that fires ``fn`` with the grads seen so far if the count was never
+# reached. ``fn`` runs exactly once per backward either way, with exactly the grads whose hooks
+# fired; the property tests compare that set with plain tensor hooks on random programs.
 """
 
 from __future__ import annotations
@@ -57,11 +55,19 @@ class MultiGradHandle(RemovableHandle):
         for handle in self.handles:
             handle.remove()
 
-    def __getstate__(self) -> tuple[RemovableHandle, ...]:
-        return self.handles
+    def __getstate__(self) -> tuple[int, ...]:
+        # The hooks themselves are closures over autograd nodes and cannot be pickled (torch's
+        # handle fails here). As with a RemovableHandle whose dict is gone, the unpickled copy
+        # is inert: its remove() does nothing, and the original keeps working.
+        return tuple(handle.id for handle in self.handles)
 
-    def __setstate__(self, state: tuple[RemovableHandle, ...]) -> None:
-        self.handles = state
+    def __setstate__(self, state: tuple[int, ...]) -> None:
+        handles = []
+        for hook_id in state:
+            handle = RemovableHandle.__new__(RemovableHandle)
+            handle.__setstate__((None, hook_id))
+            handles.append(handle)
+        self.handles = tuple(handles)
 
 
 def _grad_node(tensor: torch.Tensor) -> Node:
@@ -207,6 +213,9 @@ def register_multi_grad_hook(
 
     Threads: the hook may be registered on one thread and fire on any; concurrent backward
     calls each get their own count, and ``fn`` may run concurrently for different calls.
+
+    Lifetime: as in torch, the hook holds the gradient accumulators of leaf tensors, which keeps
+    those leaves alive until ``handle.remove()``; non-leaf tensors are not kept alive.
     """
     if mode not in _MODES:
         raise InvalidHookModeError(
