@@ -234,11 +234,12 @@ def disable_saved_tensors_hooks(error_message: str) -> Generator[None, None, Non
 
     Raises:
         TypeError: if ``error_message`` is not a string.
+        RuntimeError: ``error_message``, on entry, if saved-tensor hooks are in force.
 
     Nesting and threads: nests; the innermost message applies and the outer one is back after
-    the inner context exits. The disabled state is per thread, as in torch. Hooks already pushed
-    when entering stay in force for tensors saved inside (torch's semantics): only *entering* new
-    hooks is refused.
+    the inner context exits. The disabled state is per thread, as in torch. Entering it while
+    saved-tensor hooks are in force raises ``RuntimeError(error_message)`` at once (torch's
+    semantics), and leaves the previous state in place.
     """
     if not isinstance(error_message, str):
         raise InvalidHookArgumentError(
@@ -246,8 +247,10 @@ def disable_saved_tensors_hooks(error_message: str) -> Generator[None, None, Non
             f"of type {type(error_message).__name__}"
         )
     previous = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()
-    torch._C._autograd._saved_tensors_hooks_disable(error_message)
     try:
+        # Inside the try: when hooks are already in force, torch records the message and then
+        # raises it, and the state must still be restored.
+        torch._C._autograd._saved_tensors_hooks_disable(error_message)
         yield
     finally:
         if previous is None:

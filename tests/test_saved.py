@@ -295,6 +295,22 @@ class TestDisableSavedTensorsHooks:
             seen.append(trace)
         assert seen[0] == seen[1] == seen[2] == ["a", "b", "a", None]
 
+    @pytest.mark.parametrize(
+        "disable",
+        [tensorhooks.disable_saved_tensors_hooks, torch_graph.disable_saved_tensors_hooks],
+        ids=["tensorhooks", "torch"],
+    )
+    def test_entering_under_active_hooks_raises_and_restores(self, disable: Any) -> None:
+        """Disabling while hooks are in force raises the message and changes nothing."""
+        with tensorhooks.saved_tensors_hooks(lambda t: t, lambda t: t):
+            with (
+                pytest.raises(RuntimeError, match=r"^off while hooked$"),
+                disable("off while hooked"),
+            ):
+                pass
+            assert torch._C._autograd._saved_tensors_hooks_is_enabled()
+            assert torch._C._autograd._saved_tensors_hooks_get_disabled_error_message() is None
+
     def test_usable_as_decorator(self) -> None:
         """Like torch's, it decorates a function."""
 
