@@ -7,9 +7,12 @@ The public names mirror :mod:`torch.autograd.graph` (same signatures and default
 from ._errors import GraphTaskError as GraphTaskError
 from ._errors import InvalidHookArgumentError as InvalidHookArgumentError
 from ._errors import InvalidHookModeError as InvalidHookModeError
+from ._errors import MutationContextExitedError as MutationContextExitedError
 from ._errors import SavedTensorModifiedError as SavedTensorModifiedError
 from ._errors import TensorHooksError as TensorHooksError
+from ._errors import UnguardedHooksError as UnguardedHooksError
 from ._multigrad import register_multi_grad_hook as register_multi_grad_hook
+from ._mutation import allow_mutation_on_saved_tensors as allow_mutation_on_saved_tensors
 from ._saved import disable_saved_tensors_hooks as disable_saved_tensors_hooks
 from ._saved import saved_tensors_hooks as saved_tensors_hooks
 from ._store import live_graph_tasks as live_graph_tasks
@@ -20,8 +23,11 @@ __all__ = [
     "GraphTaskError",
     "InvalidHookArgumentError",
     "InvalidHookModeError",
+    "MutationContextExitedError",
     "SavedTensorModifiedError",
     "TensorHooksError",
+    "UnguardedHooksError",
+    "allow_mutation_on_saved_tensors",
     "disable_saved_tensors_hooks",
     "live_graph_tasks",
     "register_multi_grad_hook",

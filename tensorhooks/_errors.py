@@ -10,8 +10,10 @@ __all__ = [
     "GraphTaskError",
     "InvalidHookArgumentError",
     "InvalidHookModeError",
+    "MutationContextExitedError",
     "SavedTensorModifiedError",
     "TensorHooksError",
+    "UnguardedHooksError",
 ]
 
 
@@ -38,3 +40,21 @@ class InvalidHookModeError(TensorHooksError, ValueError):
 
 class InvalidHookArgumentError(TensorHooksError, TypeError):
     """An argument of the wrong type, such as a non-tensor where tensors are expected."""
+
+
+class MutationContextExitedError(TensorHooksError, RuntimeError):
+    """Backward needed a tensor saved inside ``allow_mutation_on_saved_tensors`` after it exited.
+
+    Writes are only tracked while the context is open, so a saved tensor cannot be trusted once
+    it has closed. torch raises ``AssertionError`` here; this is a ``RuntimeError``.
+    """
+
+
+class UnguardedHooksError(TensorHooksError, RuntimeError):
+    """An in-place write ran under saved-tensor hooks that cannot keep mutation protection.
+
+    Raised inside ``allow_mutation_on_saved_tensors`` when torch's own
+    ``torch.autograd.graph.saved_tensors_hooks`` (or a subclass such as torch's ``save_on_cpu``)
+    is the innermost pair: tensors it saved are invisible to the context, so a write could reach
+    backward unnoticed.
+    """

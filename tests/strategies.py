@@ -187,3 +187,224 @@ def assert_same_grads(
         if want is not None:
             assert have is not None
             assert torch.equal(want, have), f"gradient {index} differs: {want} vs {have}"
+
+
+# --- allow_mutation_on_saved_tensors: writes through aliases of saved tensors --------------------
+#
+# A mutation program starts from ``base = leaf * 1`` of shape (4, 6) and runs steps that either
+# save (apply an op that saves its input or its output to some alias of an earlier tensor) or
+# write (change some alias of an earlier tensor in place: in-place ops, ``out=``, foreach,
+# ``__setitem__``, a write through a dtype view). Aliases are chains of one or two views: slices,
+# strided slices, transposes, selects, diagonals, flat slices and ``as_strided`` windows anywhere in
+# the storage (so bases and unrelated-looking views are hit too). The loss sums the outputs of the
+# saving ops, each taken right after it ran, so its gradient only depends on the values each op
+# saw. ``isolated=True`` runs the reference: every saving op gets a clone of its input and hands
+# out a clone of its output, so no write can reach what backward reads and no context is needed.
+
+MUTATION_SHAPE = (4, 6)
+
+VIEW_KINDS = (
+    "full",
+    "narrow",
+    "step",
+    "last",
+    "transpose",
+    "select",
+    "diagonal",
+    "flat",
+    "as_strided",
+)
+
+
+@dataclass(frozen=True)
+class View:
+    """One view op with its integer parameters; falls back to the tensor itself if inapplicable."""
+
+    kind: str
+    a: int
+    b: int
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:  # noqa: PLR0911 (one return per kind)
+        """Return the view of ``x``."""
+        kind, a, b = self.kind, self.a, self.b
+        dims = x.dim()
+        if kind == "narrow" and dims >= 1 and x.size(0) > 1:
+            start = a % x.size(0)
+            return x.narrow(0, start, 1 + b % (x.size(0) - start))
+        if kind == "step" and dims >= 1:
+            return x[a % 2 :: 2]
+        if kind == "last" and dims >= 1 and x.size(-1) > 0:
+            start = a % x.size(-1)
+            return x[..., start : start + 1 + b % (x.size(-1) - start)]
+        if kind == "transpose" and dims >= 2:
+            return x.transpose(0, 1)
+        if kind == "select" and dims >= 1 and x.size(0) > 0:
+            return x[a % x.size(0)]
+        if kind == "diagonal" and dims >= 2:
+            return x.diagonal(offset=a % 3 - 1)
+        if kind == "flat" and x.is_contiguous() and x.numel() > 0:
+            flat = x.view(-1)
+            start = a % flat.numel()
+            return flat[start : start + 1 + b % (flat.numel() - start)]
+        if kind == "as_strided":
+            # A 2 x 2 window anywhere in the storage, rows ``row_stride`` elements apart.
+            row_stride = 2 + a % 3
+            elements = x.untyped_storage().nbytes() // x.element_size()
+            room = elements - (row_stride + 2)
+            if room >= 0:
+                return x.as_strided((2, 2), (row_stride, 1), b % (room + 1))
+        return x
+
+
+def views() -> st.SearchStrategy[tuple[View, ...]]:
+    """Chains of one or two views."""
+    view = st.builds(View, st.sampled_from(VIEW_KINDS), st.integers(0, 7), st.integers(0, 7))
+    return st.lists(view, min_size=1, max_size=2).map(tuple)
+
+
+def _matmul_self(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() == 2:
+        return x @ x.transpose(0, 1)
+    if x.dim() == 1:
+        return x @ x
+    return x * x
+
+
+SAVING_OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "pow": lambda x: x**2,  # saves its input
+    "sin": torch.sin,  # saves its input
+    "tanh": torch.tanh,  # saves its output
+    "sigmoid": torch.sigmoid,  # saves its output
+    "relu": torch.relu,  # saves its output
+    "self_mul": lambda x: x * x,  # saves its input twice
+    "matmul_self": _matmul_self,  # saves its input and a transposed view of it
+    "custom_square": Square.apply,  # save_for_backward
+}
+WRITE_KINDS = (
+    "mul_",
+    "add_",
+    "zero_",
+    "fill_",
+    "sin_",
+    "copy_",
+    "setitem",
+    "out",
+    "foreach",
+    "dtype_view",
+)
+# Writes that record autograd history when run with grad mode on.
+DIFFERENTIABLE_WRITES = frozenset({"mul_", "add_", "sin_", "foreach", "setitem", "zero_"})
+
+
+@dataclass(frozen=True)
+class SaveStep:
+    """Apply ``SAVING_OPS[op]`` to an alias of tensor ``target`` (index modulo their number)."""
+
+    target: int
+    view: tuple[View, ...]
+    op: str
+
+
+@dataclass(frozen=True)
+class WriteStep:
+    """Write in place to an alias of tensor ``target``; foreach also writes ``other_view``."""
+
+    target: int
+    view: tuple[View, ...]
+    kind: str
+    value: float
+    other_target: int
+    other_view: tuple[View, ...]
+    grad_mode: bool
+
+
+def _alias(tensors: Sequence[torch.Tensor], target: int, chain: Sequence[View]) -> torch.Tensor:
+    x = tensors[target % len(tensors)]
+    for view in chain:
+        x = view.apply(x)
+    return x
+
+
+def _write(step: WriteStep, tensors: Sequence[torch.Tensor]) -> None:
+    x = _alias(tensors, step.target, step.view)
+    kind, value = step.kind, step.value
+    differentiable = step.grad_mode and kind in DIFFERENTIABLE_WRITES
+    with torch.set_grad_enabled(differentiable):
+        if kind == "mul_":
+            x.mul_(value)
+        elif kind == "add_":
+            x.add_(value)
+        elif kind == "zero_":
+            x.zero_()
+        elif kind == "fill_":
+            x.fill_(value)
+        elif kind == "sin_":
+            x.sin_()
+        elif kind == "copy_":
+            x.copy_(torch.full_like(x, value))
+        elif kind == "setitem":
+            x[...] = value
+        elif kind == "out":
+            torch.mul(torch.full_like(x, 1.0), value, out=x)
+        elif kind == "foreach":
+            torch._foreach_mul_([x, _alias(tensors, step.other_target, step.other_view)], value)
+        elif kind == "dtype_view":
+            x.view(torch.int64).bitwise_xor_(1 << 40)
+        else:
+            raise AssertionError(kind)
+
+
+@dataclass(frozen=True)
+class MutationProgram:
+    """Saves and in-place writes through aliases, from one leaf of shape ``MUTATION_SHAPE``."""
+
+    steps: tuple[SaveStep | WriteStep, ...]
+    seed: int
+
+    def leaf(self) -> torch.Tensor:
+        """A fresh leaf, the same values on every call."""
+        generator = torch.Generator().manual_seed(self.seed)
+        return torch.randn(
+            MUTATION_SHAPE, generator=generator, dtype=torch.float64
+        ).requires_grad_()
+
+    def run(self, leaf: torch.Tensor, *, isolated: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Run the program; return the loss and every tensor it made (base first)."""
+        tensors = [leaf * 1]
+        terms = []
+        for index, step in enumerate(self.steps):
+            if isinstance(step, WriteStep):
+                _write(step, tensors)
+                continue
+            x = _alias(tensors, step.target, step.view)
+            out = SAVING_OPS[step.op](x.clone() if isolated else x)
+            terms.append((out * (1.0 + 0.125 * index)).sum())
+            tensors.append(out.clone() if isolated else out)
+        loss = torch.stack(terms).sum() if terms else leaf.sum()
+        return loss, tensors
+
+
+@st.composite
+def mutation_programs(draw: st.DrawFn, *, max_steps: int = 8) -> MutationProgram:
+    """Random mutation programs of 2 to ``max_steps`` steps, at least one of them a save."""
+    n_steps = draw(st.integers(2, max_steps))
+    steps: list[SaveStep | WriteStep] = [
+        SaveStep(draw(st.integers(0, 3)), draw(views()), draw(st.sampled_from(sorted(SAVING_OPS))))
+    ]
+    for _ in range(n_steps - 1):
+        target = draw(st.integers(0, 7))
+        if draw(st.booleans()):
+            steps.append(SaveStep(target, draw(views()), draw(st.sampled_from(sorted(SAVING_OPS)))))
+        else:
+            steps.append(
+                WriteStep(
+                    target,
+                    draw(views()),
+                    draw(st.sampled_from(WRITE_KINDS)),
+                    draw(st.sampled_from([-1.5, -0.5, 0.75, 1.25, 2.0])),
+                    draw(st.integers(0, 7)),
+                    draw(views()),
+                    draw(st.booleans()),
+                )
+            )
+    return MutationProgram(tuple(steps), draw(st.integers(0, 2**16)))

@@ -1,0 +1,619 @@
+"""allow_mutation_on_saved_tensors: change tensors saved for backward in place, safely.
+
+# NOTE [Clone before write]
+#
+# Inside the context every tensor autograd saves goes through our pack hook, which returns a
+# small handle (``_SavedTensor``) holding a detached alias of the tensor; the unpack hook is
+# ``operator.attrgetter("tensor")``, so backward reads whatever the handle holds. A
+# TorchDispatchMode sees every operator; just before an operator writes to a tensor it finds the
+# saved tensors that share the written tensor's storage and whose byte span overlaps the span the
+# write touches, clones each of them and swaps the clone into its handle. Backward therefore sees
+# the saved values whatever alias the write went through: the tensor itself, a view, its base, a
+# transposed or strided view, an overlapping slice, an ``out=`` argument, a foreach list.
+#
+# Aliasing is decided by storage identity (the StorageImpl address) and byte spans (storage
+# offset, sizes, strides and element size give the lowest and highest byte an access can reach).
+# Spans are conservative: two strided views that interleave without sharing an element still
+# "overlap" and the saved one is cloned. An ``out=`` argument, or the tensor given to a resizing
+# op (``resize_``, ``set_``), may be resized by the op, so its span runs from its storage offset
+# to the end of the storage. torch 2.13 keys on ``(data_ptr(), _version)`` instead, and misses a
+# write through any alias whose first element is elsewhere, or made after an unrelated write
+# bumped the shared version counter.
+#
+# Costs, in the order they are paid:
+#   every operator: one dict lookup keyed by the OpOverload's id, cached the first time the op is
+#       seen from its schema (``alias_info.is_write`` on its arguments). Operators that write
+#       nothing are called straight through ``OpOverload._op``, skipping ``OpOverload.__call__``.
+#   every saved tensor: one handle, one detached alias (made with the Python dispatch key
+#       excluded so that it does not re-enter the mode), one weak reference in a pending set.
+#       Nothing is keyed by storage yet: most saved tensors are never written.
+#   every write: the pending handles are indexed by storage once (amortised: each handle at most
+#       once), then one dict lookup keyed by the written storage. Only when saved tensors live on
+#       that storage are spans computed and clones made.
+# The handle is the only strong owner of the alias or clone, and autograd is the only owner of
+# the handle, so both die with the graph (after backward, or when the graph is dropped). The sets
+# that index handles hold weak references whose callbacks remove them. The alias is detached so
+# that a saved output (which references the node that saves it) does not form a reference
+# cycle through the handle, which Python's collector cannot see through autograd's C++ nodes.
+#
+# TorchDispatchMode wraps every subclass's ``__torch_dispatch__`` in ``torch._disable_dynamo``, a
+# Python-level wrapper that costs about as much per operator as the whole handler. We instead
+# tell Dynamo's frame evaluator to skip the handler's code object and everything it calls
+# (``set_code_exec_strategy``, what ``torch._dynamo.disable(recursive=True)`` amounts to, at no
+# per-call cost) and opt out of the wrapper; torch versions without that hook keep the wrapper.
+#
+# Threads and nesting: each context has its own tracker; open contexts are listed in a module-
+# level tuple, and a write made under any context's mode, on any thread, protects the tensors
+# saved by every open context. Nesting is allowed (unlike torch): the inner context tracks what
+# is saved inside it and must also see its backward. Hook pairs pushed inside the context with
+# tensorhooks' ``saved_tensors_hooks`` (and its subclasses) are wrapped by the context's save
+# guard and keep the protection. torch's own ``saved_tensors_hooks`` cannot be intercepted when
+# pushed; an in-place write made while one is the innermost pair raises ``UnguardedHooksError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import threading
+import weakref
+from collections.abc import Callable, Generator, Iterable, Sequence
+from types import CodeType
+from typing import Any, NamedTuple, NoReturn
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._errors import MutationContextExitedError, UnguardedHooksError
+from ._saved import PackHook, UnpackHook, VersionGuard, use_save_guard
+
+__all__ = ["MutationContext", "allow_mutation_on_saved_tensors"]
+
+_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+# torch's stubs omit that this returns None when no hooks are pushed.
+_top_hooks: Callable[[bool], tuple[Callable[..., Any], Callable[..., Any]] | None] = (
+    torch._C._autograd._top_saved_tensors_default_hooks
+)
+# Not in torch's stubs; True when two tensors share a storage.
+_is_alias_of: Callable[[torch.Tensor, torch.Tensor], bool] = torch._C._is_alias_of  # type: ignore[attr-defined]
+_set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
+_is_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+_PYTHON_KEY = torch._C.DispatchKey.Python
+# The sequence number the next autograd node created on this thread will get.
+_peek_sequence_nr: Callable[[], int] = torch._C._autograd._get_sequence_nr
+
+# Tensor types whose detach never needs Python dispatch (no __torch_dispatch__ of their own).
+_PLAIN_TENSOR_TYPES = frozenset(
+    t for t in (torch.Tensor, torch.nn.Parameter, getattr(torch.nn, "Buffer", None)) if t
+)
+# Ops that may resize the tensor they write (besides every ``out=`` argument).
+_RESIZING_OPS = frozenset(
+    {"aten::resize_", "aten::resize_as_", "aten::resize_as_sparse_", "aten::set_"}
+)
+# Values a pack hook may return next to tensors without hiding a reference to the saved tensor.
+_IMMUTABLE_TYPES = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+)
+
+_EXITED_MESSAGE = (
+    "allow_mutation_on_saved_tensors: backward needed a tensor saved inside the context, but the "
+    "context has exited (or was cleared) since the forward pass recorded the graph, so in-place "
+    "changes made after that were not tracked. Run backward inside the same "
+    "`with tensorhooks.allow_mutation_on_saved_tensors():` block as the forward pass."
+)
+
+
+class _SavedTensor:
+    """What autograd stores for a tensor saved in the context: an alias of it, or its clone.
+
+    ``tensor`` is emptied when the context closes; reading it then raises.
+    """
+
+    __slots__ = ("__weakref__", "tensor")
+
+    tensor: torch.Tensor
+
+    def __getattr__(self, name: str) -> NoReturn:
+        # Only reached when a slot is empty, i.e. after the context closed.
+        if name == "tensor":
+            raise MutationContextExitedError(_EXITED_MESSAGE)
+        raise AttributeError(name)
+
+
+_unpack: Callable[[_SavedTensor], torch.Tensor] = operator.attrgetter("tensor")
+
+
+def _make_pack(pending: set[weakref.ref[_SavedTensor]]) -> Callable[[torch.Tensor], _SavedTensor]:
+    """Return the context's pack hook; handles go into ``pending`` until a write indexes them.
+
+    See NOTE [Holding saved tensors without reference cycles].
+    """
+    add = pending.add
+    discard = pending.discard
+
+    def pack(tensor: torch.Tensor) -> _SavedTensor:
+        saved = _SavedTensor()
+        grad_fn = tensor.grad_fn
+        if grad_fn is None or grad_fn._sequence_nr() != _peek_sequence_nr() - 1:
+            saved.tensor = tensor
+        elif type(tensor) in _PLAIN_TENSOR_TYPES:
+            # detach() would otherwise go through this context's dispatch mode (microseconds).
+            was_excluded = _is_excluded(_PYTHON_KEY)
+            _set_excluded(_PYTHON_KEY, True)
+            try:
+                saved.tensor = tensor.detach()
+            finally:
+                _set_excluded(_PYTHON_KEY, was_excluded)
+        else:
+            saved.tensor = tensor.detach()
+        add(weakref.ref(saved, discard))
+        return saved
+
+    return pack
+
+
+def _storage_key(tensor: torch.Tensor) -> int | None:
+    """The address of ``tensor``'s StorageImpl, or None for tensors without one (sparse)."""
+    try:
+        return tensor.untyped_storage()._cdata  # type: ignore[no-any-return]
+    except (NotImplementedError, RuntimeError):
+        return None
+
+
+_EVERYTHING = (0, float("inf"))
+
+
+def _byte_span(tensor: torch.Tensor, resizes: bool) -> tuple[float, float] | None:
+    """Bytes ``[lo, hi)`` of its storage that ``tensor`` can reach; None if it reaches none.
+
+    ``resizes``: the op may resize ``tensor`` first, so anything past its storage offset counts.
+    Symbolic or unavailable geometry gives the whole storage.
+    """
+    try:
+        offset = tensor.storage_offset()
+        sizes = tensor.size()
+        strides = tensor.stride()
+        itemsize = tensor.element_size()
+    except (RuntimeError, NotImplementedError):
+        return _EVERYTHING
+    if type(offset) is not int:
+        return _EVERYTHING
+    lo = hi = offset
+    for size, stride in zip(sizes, strides, strict=True):
+        if type(size) is not int or type(stride) is not int:
+            return _EVERYTHING
+        if size == 0:
+            return (offset * itemsize, float("inf")) if resizes else None
+        if stride >= 0:
+            hi += (size - 1) * stride
+        else:
+            lo += (size - 1) * stride
+    if resizes:
+        return (min(lo, offset) * itemsize, float("inf"))
+    return (lo * itemsize, (hi + 1) * itemsize)
+
+
+def _geometry(tensor: torch.Tensor) -> object:
+    """A key equal for two aliases that read exactly the same elements as the same dtype."""
+    try:
+        return (tensor.dtype, tensor.storage_offset(), tuple(tensor.size()), tensor.stride())
+    except (RuntimeError, NotImplementedError):
+        return id(tensor)
+
+
+class MutationContext:
+    """The state of one ``allow_mutation_on_saved_tensors`` context, yielded by it.
+
+    Useful for inspection and tests: :meth:`num_saved` and :meth:`num_cloned` count the live
+    saved tensors this context tracks and how many of them hold a clone. The state is cleared
+    when the context exits; a graph recorded inside it can no longer be backpropagated then.
+    """
+
+    def __init__(self) -> None:
+        self._pending: set[weakref.ref[_SavedTensor]] = set()
+        self._by_storage: dict[int | None, set[weakref.ref[_SavedTensor]]] = {}
+        self._cloned: set[weakref.ref[_SavedTensor]] = set()
+        # Reentrant: a clone made while protecting may itself reach a write (through another
+        # mode on the stack) that protects this context again.
+        self._lock = threading.RLock()
+        self._sweep_at = 64
+        self._pack = _make_pack(self._pending)
+        self._guard = _MutationGuard(self)
+
+    def num_saved(self) -> int:
+        """Return how many tensors saved in this context are still held for backward."""
+        with self._lock:
+            refs: list[weakref.ref[_SavedTensor]] = [*self._pending, *self._cloned]
+            for bucket in self._by_storage.values():
+                refs.extend(bucket)
+        return sum(1 for ref in refs if ref() is not None)
+
+    def num_cloned(self) -> int:
+        """Return how many of them were cloned because they were about to be written."""
+        return sum(1 for ref in list(self._cloned) if ref() is not None)
+
+    def clear(self) -> None:
+        """Release every saved tensor and clone; backward through them raises afterwards.
+
+        Called when the context exits. Tensors saved after a manual call are tracked afresh.
+        """
+        with self._lock:
+            refs: list[weakref.ref[_SavedTensor]] = [*self._pending, *self._cloned]
+            for bucket in self._by_storage.values():
+                refs.extend(bucket)
+            self._pending.clear()
+            self._cloned.clear()
+            self._by_storage.clear()
+        for ref in refs:
+            saved = ref()
+            if saved is not None:
+                with contextlib.suppress(AttributeError):
+                    del saved.tensor
+
+    def _track(self, tensor: torch.Tensor) -> _SavedTensor:
+        """Start tracking ``tensor`` as saved for backward (used by guarded user hooks)."""
+        return self._pack(tensor)
+
+    def _index_pending(self) -> None:
+        """Key every handle saved since the last write by its storage. Caller holds the lock."""
+        pending = self._pending
+        batch = pending.copy()
+        pending.difference_update(batch)
+        by_storage = self._by_storage
+        for ref in batch:
+            saved = ref()
+            if saved is None:
+                continue
+            key = _storage_key(saved.tensor)
+            bucket = by_storage.get(key)
+            if bucket is None:
+                bucket = by_storage[key] = set()
+            bucket.add(weakref.ref(saved, bucket.discard))
+        if len(by_storage) > self._sweep_at:
+            # Buckets of freed storages are empty sets; drop them, amortised over the inserts.
+            for key in [key for key, bucket in by_storage.items() if not bucket]:
+                del by_storage[key]
+            self._sweep_at = 2 * len(by_storage) + 64
+
+    def _protect(self, written: Sequence[torch.Tensor], resizes: bool) -> None:
+        """Clone every tracked saved tensor that a write to ``written`` could change."""
+        if self._pending:
+            with self._lock:
+                self._index_pending()
+        by_storage = self._by_storage
+        for tensor in written:
+            key = _storage_key(tensor)
+            if by_storage.get(key):
+                with self._lock:
+                    self._clone_overlapping(key, tensor, resizes)
+
+    def _clone_overlapping(self, key: int | None, written: torch.Tensor, resizes: bool) -> None:
+        bucket = self._by_storage.get(key)
+        if not bucket:
+            return
+        # Without a storage nothing can be compared: every storage-less saved tensor is cloned.
+        span = None if key is None else _byte_span(written, resizes)
+        if key is not None and span is None:
+            return
+        clones: dict[object, torch.Tensor] = {}
+        for ref in list(bucket):
+            saved = ref()
+            if saved is None:
+                continue
+            original = saved.tensor
+            if span is not None:
+                saved_span = _byte_span(original, False)
+                if saved_span is None or saved_span[0] >= span[1] or span[0] >= saved_span[1]:
+                    continue
+            # A tensor saved several times (same alias, same version) shares one clone.
+            geometry = _geometry(original)
+            clone = clones.get(geometry)
+            if clone is None:
+                clone = clones[geometry] = original.clone()
+            saved.tensor = clone
+            bucket.discard(ref)
+            self._cloned.add(weakref.ref(saved, self._cloned.discard))
+
+
+class _GuardedSave:
+    """What a guarded user pair stores when its packed value may share the saved storage."""
+
+    __slots__ = ("original_id", "packed", "saved")
+
+    def __init__(self, saved: _SavedTensor, packed: object) -> None:
+        self.saved = saved
+        self.original_id = id(saved.tensor)
+        self.packed = packed
+
+
+def _is_copy(packed: object, tensor: torch.Tensor) -> bool:
+    """Whether ``packed`` provably holds nothing that shares ``tensor``'s storage."""
+    if isinstance(packed, torch.Tensor):
+        if packed is tensor:
+            return False
+        try:
+            return not _is_alias_of(packed, tensor)
+        except (RuntimeError, NotImplementedError):
+            return False
+    if isinstance(packed, (tuple, list)):
+        return all(
+            _is_copy(item, tensor)
+            if isinstance(item, (torch.Tensor, tuple, list))
+            else isinstance(item, _IMMUTABLE_TYPES)
+            for item in packed
+        )
+    return False
+
+
+class _GuardedPair:
+    """A user's pack/unpack pair pushed inside the context, with the context's protection."""
+
+    __slots__ = ("_context", "_pack_hook", "_unpack_hook")
+
+    def __init__(self, context: MutationContext, pack_hook: PackHook, unpack_hook: UnpackHook):
+        self._context = context
+        self._pack_hook = pack_hook
+        self._unpack_hook = unpack_hook
+
+    def pack(self, tensor: torch.Tensor) -> object:
+        """Call the user's pack; track the tensor unless what pack returned is a real copy."""
+        packed = self._pack_hook(tensor)
+        if _is_copy(packed, tensor):
+            return packed
+        return _GuardedSave(self._context._track(tensor), packed)
+
+    def unpack(self, stored: object) -> torch.Tensor:
+        """Call the user's unpack; hand back the save-time clone if the tensor was written."""
+        if type(stored) is not _GuardedSave:
+            return self._unpack_hook(stored)
+        current = stored.saved.tensor  # raises once the context has exited
+        result = self._unpack_hook(stored.packed)
+        if id(current) != stored.original_id:
+            return current
+        return result
+
+
+class _MutationGuard:
+    """The save guard a context installs: user pairs pushed inside keep its protection."""
+
+    __slots__ = ("_context",)
+
+    def __init__(self, context: MutationContext) -> None:
+        self._context = context
+
+    def wrap(self, pack_hook: PackHook, unpack_hook: UnpackHook) -> tuple[PackHook, UnpackHook]:
+        """Return ``(pack_hook, unpack_hook)`` wrapped so that writes clone what they save."""
+        pair = _GuardedPair(self._context, pack_hook, unpack_hook)
+        return pair.pack, pair.unpack
+
+
+def _noop_pack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+# Innermost pairs under which a write is safe: ours, guarded user pairs, and tensorhooks'
+# version guard (it raises at backward rather than handing back changed data).
+_PROTECTED_PACK_CODES: frozenset[CodeType] = frozenset(
+    {
+        _make_pack(set()).__code__,
+        _GuardedPair.pack.__code__,
+        VersionGuard().wrap(_noop_pack, _noop_pack)[0].__code__,
+    }
+)
+# torch's checkpoint hooks store no tensor data: they recompute in backward.
+_TRUSTED_HOOK_MODULES = frozenset({"torch.utils.checkpoint"})
+
+
+def _check_innermost_hooks(func: torch._ops.OpOverload) -> None:
+    """Raise if the innermost saved-tensor hooks hide saved tensors from the context."""
+    top = _top_hooks(False)
+    if top is None:
+        return
+    pack = top[0]
+    if getattr(pack, "__code__", None) in _PROTECTED_PACK_CODES:
+        return
+    if getattr(pack, "__module__", None) in _TRUSTED_HOOK_MODULES:
+        return
+    name = getattr(pack, "__qualname__", None) or type(pack).__name__
+    raise UnguardedHooksError(
+        f"allow_mutation_on_saved_tensors: in-place operator {func} ran while the innermost "
+        f"saved-tensor hooks (pack hook {name!r}) were not pushed by tensorhooks, so tensors "
+        "they saved are invisible to the context and the write could silently change what "
+        "backward reads. Push the hooks with tensorhooks.saved_tensors_hooks (or use "
+        "tensorhooks.save_on_cpu) inside the context, which keeps the protection, or enter "
+        "torch.autograd.graph.saved_tensors_hooks outside allow_mutation_on_saved_tensors()."
+    )
+
+
+class _WrittenArgument(NamedTuple):
+    position: int  # index into args, or -1 for keyword-only arguments
+    name: str
+    resizes: bool
+
+
+# OpOverload -> the arguments it writes (empty for most ops); holding the op keeps its id valid.
+_WRITTEN_ARGUMENTS: dict[torch._ops.OpOverload, tuple[_WrittenArgument, ...]] = {}
+# id(OpOverload) -> callable, for ops that write nothing: the per-operator fast path.
+_READ_ONLY_OPS: dict[int, Callable[..., Any]] = {}
+
+
+def _written_arguments(func: torch._ops.OpOverload) -> tuple[_WrittenArgument, ...]:
+    """The arguments ``func`` writes, read once from its schema."""
+    schema = func._schema
+    resizing_op = schema.name in _RESIZING_OPS
+    written = []
+    for position, argument in enumerate(schema.arguments):
+        info = argument.alias_info
+        if info is None or not info.is_write:
+            continue
+        written.append(
+            _WrittenArgument(
+                -1 if argument.kwarg_only else position,
+                argument.name,
+                argument.is_out or resizing_op,
+            )
+        )
+    return tuple(written)
+
+
+# Open contexts, on every thread; replaced (never mutated) under the lock so readers need none.
+_open_contexts: tuple[MutationContext, ...] = ()
+_open_contexts_lock = threading.Lock()
+
+
+def _tensors_in(value: object) -> Iterable[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    if isinstance(value, (list, tuple)):
+        return [item for item in value if isinstance(item, torch.Tensor)]
+    return ()
+
+
+def _dispatch_slow(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Every call of an op that writes, and the first call of any op."""
+    written = _WRITTEN_ARGUMENTS.get(func)
+    if written is None:
+        written = _written_arguments(func)
+        _WRITTEN_ARGUMENTS[func] = written
+        if not written:
+            # OpOverload.__call__ only forwards to _op; subclasses may do more.
+            call = func._op if type(func) is torch._ops.OpOverload else func
+            _READ_ONLY_OPS[id(func)] = call
+    if written:
+        _check_innermost_hooks(func)
+        for argument in written:
+            if 0 <= argument.position < len(args):
+                value = args[argument.position]
+            else:
+                value = kwargs.get(argument.name)
+            tensors = tuple(_tensors_in(value))
+            if tensors:
+                for context in _open_contexts:
+                    context._protect(tensors, argument.resizes)
+    return func(*args, **kwargs)
+
+
+def _torch_dispatch(
+    self: _CloneBeforeWriteMode,
+    func: torch._ops.OpOverload,
+    types: Sequence[type],
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+) -> Any:
+    call = _READ_ONLY_OPS.get(id(func))
+    if call is None:
+        return _dispatch_slow(func, args, kwargs or {})
+    if kwargs:
+        return call(*args, **kwargs)
+    return call(*args)
+
+
+def _skip_in_dynamo(code: CodeType) -> bool:
+    """Make Dynamo skip ``code`` and everything it calls; False if this torch cannot."""
+    try:
+        from torch._C._dynamo import eval_frame  # noqa: PLC0415 (optional, private module)
+
+        strategy = eval_frame._FrameExecStrategy(
+            eval_frame._FrameAction.SKIP, eval_frame._FrameAction.SKIP
+        )
+        eval_frame.set_code_exec_strategy(code, strategy)
+    except (ImportError, AttributeError, TypeError, RuntimeError):
+        return False
+    return True
+
+
+_HANDLER_SKIPPED_BY_DYNAMO = _skip_in_dynamo(_torch_dispatch.__code__)
+
+
+class _CloneBeforeWriteMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's base is untyped
+    """Clones saved tensors that an operator is about to write. See NOTE [Clone before write]."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Read once by TorchDispatchMode.__init_subclass__: wrap the handler in
+        # torch._disable_dynamo only when Dynamo could not be told to skip it directly.
+        return not _HANDLER_SKIPPED_BY_DYNAMO
+
+    __torch_dispatch__ = _torch_dispatch
+
+
+@contextlib.contextmanager
+def allow_mutation_on_saved_tensors() -> Generator[MutationContext, None, None]:
+    """Context manager under which tensors saved for backward may be changed in place.
+
+    Normally, changing a tensor in place after autograd saved it makes backward raise. Inside
+    this context a saved tensor is cloned just before an operation writes to it, and backward
+    uses the clone, so gradients are those of the values at the time they were saved. Only
+    tensors that are both saved and written are cloned; a clone lives as long as the part of
+    the graph that needs it.
+
+    Same semantics as :func:`torch.autograd.graph.allow_mutation_on_saved_tensors`, plus: a
+    write through any alias of a saved tensor (a view, its base, an overlapping slice, an
+    ``out=`` argument, a foreach list) is caught, hooks pushed inside with tensorhooks'
+    :class:`saved_tensors_hooks` keep the protection, contexts nest, and contexts on different
+    threads are independent. It also costs far less per operation.
+
+    Example:
+        >>> import torch, tensorhooks
+        >>> a = torch.ones(2, 3, requires_grad=True)
+        >>> with tensorhooks.allow_mutation_on_saved_tensors():
+        ...     b = a.clone()
+        ...     out = (b**2).sum()
+        ...     _ = b[:, 1:].sin_()  # a view of the saved tensor, changed in place
+        ...     out.backward()
+        >>> a.grad
+        tensor([[2., 2., 2.],
+                [2., 2., 2.]])
+
+    Returns:
+        A context manager that yields a :class:`MutationContext`, whose state (saved tensors
+        and clones) is cleared when the context exits.
+
+    Raises:
+        RuntimeError: on entry, if saved-tensor hooks are disabled by
+            ``disable_saved_tensors_hooks`` (the message is the one given there).
+        MutationContextExitedError: during backward, if the graph was recorded inside a context
+            that has exited since (a ``RuntimeError``; torch raises ``AssertionError``).
+        UnguardedHooksError: on an in-place write made while torch's own
+            ``torch.autograd.graph.saved_tensors_hooks`` (or torch's ``save_on_cpu``) is the
+            innermost pair inside the context: what those hooks save cannot be protected
+            (a ``RuntimeError``). ``torch.utils.checkpoint`` is allowed.
+
+    Nesting and threads: contexts nest (torch raises); the inner one tracks what is saved inside
+    it, so backward of a graph recorded there must run before it exits. Each thread has its own
+    dispatch mode and hook stack, so a context covers the forward passes and writes of the
+    thread that entered it; a write made under any open context, on any thread, protects the
+    tensors saved by all of them. Writes made on a thread with no open context are not seen.
+    Pairs pushed inside by tensorhooks (``saved_tensors_hooks``, ``save_on_cpu``) apply to what
+    is saved while they are innermost, as usual; if their pack returns the tensor itself or a
+    view of it, unpack returns the save-time clone after a write.
+    """
+    global _open_contexts  # noqa: PLW0603 (replaced as a whole so readers need no lock)
+    context = MutationContext()
+    _push_hooks(context._pack, _unpack)
+    try:
+        # TorchDispatchMode.__init__ is untyped in torch.
+        with use_save_guard(context._guard), _CloneBeforeWriteMode():  # type: ignore[no-untyped-call]
+            with _open_contexts_lock:
+                _open_contexts = (*_open_contexts, context)
+            try:
+                yield context
+            finally:
+                with _open_contexts_lock:
+                    _open_contexts = tuple(c for c in _open_contexts if c is not context)
+    finally:
+        _pop_hooks()
+        context.clear()
