@@ -1,32 +1,42 @@
-"""allow_mutation_on_saved_tensors: cost of one fwd+bwd step against torch and a bare mode.
+"""allow_mutation_on_saved_tensors: cost of a fwd+bwd step, against torch and a bare mode.
 
-Model: 50 x Linear(64, 64) with ReLU between, batch 8, one intra-op thread. Each variant enters
-its context once per step, as a training loop would. Variants run interleaved, one after the
-other in every round, and the median over rounds is reported:
+Model: 50 x Linear(64, 64) with ReLU between, batch 8, one intra-op thread. Every variant enters
+its context once per step, as a training loop would; variants are interleaved round by round
+(benchmarks/timing.py) and medians compared:
 
-- ``plain``: no context at all (for reference).
-- ``bare mode``: a no-op TorchDispatchMode whose ``__torch_dispatch__`` only calls
-  ``func(*args, **(kwargs or {}))``.
+- ``plain autograd``: no context (for reference).
+- ``bare mode``: a no-op TorchDispatchMode, ``__torch_dispatch__`` only calling
+  ``func(*args, **(kwargs or {}))``: the floor for any TorchDispatchMode written that way.
 - ``bare mode, no dynamo wrapper``: the same mode opting out of the ``torch._disable_dynamo``
-  wrapper that TorchDispatchMode puts around every subclass's handler (what tensorhooks does).
+  wrapper TorchDispatchMode puts around every subclass's handler, as tensorhooks does.
 - ``torch``: ``torch.autograd.graph.allow_mutation_on_saved_tensors``.
 - ``tensorhooks``: ``tensorhooks.allow_mutation_on_saved_tensors``.
 
-Run: ``python benchmarks/mutation.py [--rounds 31] [--steps 10]``
+Two scenarios: gradients set to None before each step (backward writes nothing in place), and
+gradients accumulated across steps (backward adds into ``.grad`` in place: 100 writing ops per
+step that the contexts must check).
+
+Run: python benchmarks/mutation.py [--rounds N]
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
-import statistics
-import time
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.autograd.graph as torch_graph
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from timing import interleaved_medians, print_table
 
 import tensorhooks
 
@@ -45,64 +55,70 @@ class BareModeNoDynamoWrapper(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def build(depth: int = 50, width: int = 64) -> torch.nn.Module:
-    layers: list[torch.nn.Module] = []
-    for _ in range(depth):
-        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers[:-1])
+def mlp(layers: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = []
+    for _ in range(layers):
+        blocks += [nn.Linear(64, 64), nn.ReLU()]
+    return nn.Sequential(*blocks[:-1])
+
+
+CONTEXTS: dict[str, Callable[[], Any] | None] = {
+    "plain autograd": None,
+    "bare mode": BareMode,
+    "bare mode, no dynamo wrapper": BareModeNoDynamoWrapper,
+    "torch": torch_graph.allow_mutation_on_saved_tensors,
+    "tensorhooks": tensorhooks.allow_mutation_on_saved_tensors,
+}
+
+
+def scenario(title: str, rounds: int, *, accumulate: bool) -> dict[str, float]:
+    model = mlp(50)
+    batch = torch.randn(8, 64)
+
+    def step(context: Callable[[], Any] | None) -> Callable[[], None]:
+        def run() -> None:
+            if not accumulate:
+                model.zero_grad(set_to_none=True)
+            if context is None:
+                model(batch).sum().backward()
+                return
+            with context():
+                model(batch).sum().backward()
+
+        return run
+
+    medians = interleaved_medians(
+        {name: step(context) for name, context in CONTEXTS.items()}, rounds=rounds
+    )
+    print_table(title, medians, "torch")
+    ours = medians["tensorhooks"]
+    print(f"speedup over torch's context: {medians['torch'] / ours:.2f}x (target >= 1.6x)")
+    print(f"ratio to the bare mode: {ours / medians['bare mode']:.3f} (target <= 1.15)")
+    print(
+        "ratio to the bare mode without its dynamo wrapper: "
+        f"{ours / medians['bare mode, no dynamo wrapper']:.3f}"
+    )
+    return medians
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=31)
-    parser.add_argument("--steps", type=int, default=10, help="steps per variant per round")
-    options = parser.parse_args()
-
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=30)
+    args = parser.parse_args()
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = build()
-    x = torch.randn(8, 64)
-
-    variants: dict[str, Callable[[], Any]] = {
-        "plain": contextlib.nullcontext,
-        "bare mode": BareMode,
-        "bare mode, no dynamo wrapper": BareModeNoDynamoWrapper,
-        "torch": torch.autograd.graph.allow_mutation_on_saved_tensors,
-        "tensorhooks": tensorhooks.allow_mutation_on_saved_tensors,
-    }
-
-    def step() -> None:
-        model.zero_grad(set_to_none=True)
-        model(x).sum().backward()
-
-    def run(enter: Callable[[], Any]) -> float:
-        start = time.perf_counter()
-        for _ in range(options.steps):
-            with enter():
-                step()
-        return (time.perf_counter() - start) / options.steps
-
+    # Objects made at import time are not rescanned by every collection, for every variant.
     gc.collect()
-    gc.freeze()  # objects made at import time are not rescanned by every collection
-    for enter in variants.values():  # warm up caches and allocator
-        run(enter)
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(options.rounds):
-        for name, enter in variants.items():
-            times[name].append(run(enter))
-    median = {name: statistics.median(values) for name, values in times.items()}
-
-    print(f"fwd+bwd, 50 x Linear(64, 64) + ReLU, batch 8, 1 thread, median of {options.rounds}")
-    for name, value in median.items():
-        print(f"  {name:30s} {value * 1e6:9.1f} us")
-    ours = median["tensorhooks"]
-    print(f"speedup over torch's context: {median['torch'] / ours:.2f}x (target >= 1.6x)")
-    print(
-        f"cost relative to a bare no-op mode: {ours / median['bare mode']:.3f}x (target <= 1.15x)"
+    gc.freeze()
+    scenario(
+        "fwd+bwd of 50 x Linear(64, 64) + ReLU, batch 8, gradients set to None before each step",
+        args.rounds,
+        accumulate=False,
     )
-    print(
-        "cost relative to the bare mode without its dynamo wrapper: "
-        f"{ours / median['bare mode, no dynamo wrapper']:.3f}x"
+    scenario(
+        "the same, gradients accumulated in place across steps",
+        args.rounds,
+        accumulate=True,
     )
 
 

@@ -12,6 +12,7 @@ from ._errors import SavedTensorModifiedError as SavedTensorModifiedError
 from ._errors import TensorHooksError as TensorHooksError
 from ._errors import UnguardedHooksError as UnguardedHooksError
 from ._multigrad import register_multi_grad_hook as register_multi_grad_hook
+from ._mutation import MutationContext as MutationContext
 from ._mutation import allow_mutation_on_saved_tensors as allow_mutation_on_saved_tensors
 from ._saved import disable_saved_tensors_hooks as disable_saved_tensors_hooks
 from ._saved import saved_tensors_hooks as saved_tensors_hooks
@@ -23,6 +24,7 @@ __all__ = [
     "GraphTaskError",
     "InvalidHookArgumentError",
     "InvalidHookModeError",
+    "MutationContext",
     "MutationContextExitedError",
     "SavedTensorModifiedError",
     "TensorHooksError",

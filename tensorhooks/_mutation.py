@@ -57,7 +57,7 @@ import contextlib
 import operator
 import threading
 import weakref
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from types import CodeType
 from typing import Any, NamedTuple, NoReturn
 
@@ -205,11 +205,18 @@ def _byte_span(tensor: torch.Tensor, resizes: bool) -> tuple[float, float] | Non
 
 
 def _geometry(tensor: torch.Tensor) -> object:
-    """A key equal for two aliases that read exactly the same elements as the same dtype."""
+    """A key equal for two aliases that read exactly the same elements as the same dtype.
+
+    Falls back to the tensor's identity (no sharing) without concrete integer geometry: symbolic
+    sizes of fake tensors are unhashable.
+    """
     try:
-        return (tensor.dtype, tensor.storage_offset(), tuple(tensor.size()), tensor.stride())
+        key = (tensor.storage_offset(), *tensor.size(), *tensor.stride())
     except (RuntimeError, NotImplementedError):
         return id(tensor)
+    if all(type(value) is int for value in key):
+        return (tensor.dtype, tensor.dim(), key)
+    return id(tensor)
 
 
 class MutationContext:
@@ -222,12 +229,13 @@ class MutationContext:
 
     def __init__(self) -> None:
         self._pending: set[weakref.ref[_SavedTensor]] = set()
-        self._by_storage: dict[int | None, set[weakref.ref[_SavedTensor]]] = {}
+        self._by_storage: dict[int | None, list[weakref.ref[_SavedTensor]]] = {}
         self._cloned: set[weakref.ref[_SavedTensor]] = set()
         # Reentrant: a clone made while protecting may itself reach a write (through another
         # mode on the stack) that protects this context again.
         self._lock = threading.RLock()
-        self._sweep_at = 64
+        self._indexed = 0
+        self._prune_at = 256
         self._pack = _make_pack(self._pending)
         self._guard = _MutationGuard(self)
 
@@ -266,9 +274,14 @@ class MutationContext:
         return self._pack(tensor)
 
     def _index_pending(self) -> None:
-        """Key every handle saved since the last write by its storage. Caller holds the lock."""
+        """Key every handle saved since the last write by its storage. Caller holds the lock.
+
+        Buckets are lists of the pending set's own weak references: no new object per handle.
+        References that died stay until the next prune, which runs once the number of
+        references indexed since the last one exceeds twice the number then alive.
+        """
         pending = self._pending
-        batch = pending.copy()
+        batch = list(pending)
         pending.difference_update(batch)
         by_storage = self._by_storage
         for ref in batch:
@@ -278,13 +291,21 @@ class MutationContext:
             key = _storage_key(saved.tensor)
             bucket = by_storage.get(key)
             if bucket is None:
-                bucket = by_storage[key] = set()
-            bucket.add(weakref.ref(saved, bucket.discard))
-        if len(by_storage) > self._sweep_at:
-            # Buckets of freed storages are empty sets; drop them, amortised over the inserts.
-            for key in [key for key, bucket in by_storage.items() if not bucket]:
-                del by_storage[key]
-            self._sweep_at = 2 * len(by_storage) + 64
+                by_storage[key] = [ref]
+            else:
+                bucket.append(ref)
+        self._indexed += len(batch)
+        if self._indexed > self._prune_at:
+            alive = 0
+            for key, bucket in list(by_storage.items()):
+                live = [ref for ref in bucket if ref() is not None]
+                if live:
+                    by_storage[key] = live
+                    alive += len(live)
+                else:
+                    del by_storage[key]
+            self._indexed = alive
+            self._prune_at = 2 * alive + 256
 
     def _protect(self, written: Sequence[torch.Tensor], resizes: bool) -> None:
         """Clone every tracked saved tensor that a write to ``written`` could change."""
@@ -292,9 +313,11 @@ class MutationContext:
             with self._lock:
                 self._index_pending()
         by_storage = self._by_storage
+        if not by_storage:
+            return
         for tensor in written:
             key = _storage_key(tensor)
-            if by_storage.get(key):
+            if key in by_storage:
                 with self._lock:
                     self._clone_overlapping(key, tensor, resizes)
 
@@ -307,7 +330,8 @@ class MutationContext:
         if key is not None and span is None:
             return
         clones: dict[object, torch.Tensor] = {}
-        for ref in list(bucket):
+        kept: list[weakref.ref[_SavedTensor]] = []
+        for ref in bucket:
             saved = ref()
             if saved is None:
                 continue
@@ -315,6 +339,7 @@ class MutationContext:
             if span is not None:
                 saved_span = _byte_span(original, False)
                 if saved_span is None or saved_span[0] >= span[1] or span[0] >= saved_span[1]:
+                    kept.append(ref)
                     continue
             # A tensor saved several times (same alias, same version) shares one clone.
             geometry = _geometry(original)
@@ -322,8 +347,11 @@ class MutationContext:
             if clone is None:
                 clone = clones[geometry] = original.clone()
             saved.tensor = clone
-            bucket.discard(ref)
             self._cloned.add(weakref.ref(saved, self._cloned.discard))
+        if kept:
+            self._by_storage[key] = kept
+        else:
+            del self._by_storage[key]
 
 
 class _GuardedSave:
@@ -368,10 +396,13 @@ class _GuardedPair:
 
     def pack(self, tensor: torch.Tensor) -> object:
         """Call the user's pack; track the tensor unless what pack returned is a real copy."""
+        # Tracked first: the user's pack may create autograd nodes, which would hide from the
+        # tracker that ``tensor`` is an output of the node saving it.
+        saved = self._context._track(tensor)
         packed = self._pack_hook(tensor)
         if _is_copy(packed, tensor):
-            return packed
-        return _GuardedSave(self._context._track(tensor), packed)
+            return packed  # ``saved`` dies here and leaves the pending set
+        return _GuardedSave(saved, packed)
 
     def unpack(self, stored: object) -> torch.Tensor:
         """Call the user's unpack; hand back the save-time clone if the tensor was written."""
@@ -403,13 +434,12 @@ def _noop_pack(tensor: torch.Tensor) -> torch.Tensor:
 
 
 # Innermost pairs under which a write is safe: ours, guarded user pairs, and tensorhooks'
-# version guard (it raises at backward rather than handing back changed data).
-_PROTECTED_PACK_CODES: frozenset[CodeType] = frozenset(
-    {
-        _make_pack(set()).__code__,
-        _GuardedPair.pack.__code__,
-        VersionGuard().wrap(_noop_pack, _noop_pack)[0].__code__,
-    }
+# version guard (it raises at backward rather than handing back changed data). Compared by
+# identity: hashing a code object hashes its bytecode.
+_OWN_PACK_CODE: CodeType = _make_pack(set()).__code__
+_PROTECTED_PACK_CODES: tuple[CodeType, ...] = (
+    _GuardedPair.pack.__code__,
+    VersionGuard().wrap(_noop_pack, _noop_pack)[0].__code__,
 )
 # torch's checkpoint hooks store no tensor data: they recompute in backward.
 _TRUSTED_HOOK_MODULES = frozenset({"torch.utils.checkpoint"})
@@ -421,7 +451,8 @@ def _check_innermost_hooks(func: torch._ops.OpOverload) -> None:
     if top is None:
         return
     pack = top[0]
-    if getattr(pack, "__code__", None) in _PROTECTED_PACK_CODES:
+    code = getattr(pack, "__code__", None)
+    if code is _OWN_PACK_CODE or any(code is protected for protected in _PROTECTED_PACK_CODES):
         return
     if getattr(pack, "__module__", None) in _TRUSTED_HOOK_MODULES:
         return
@@ -442,10 +473,18 @@ class _WrittenArgument(NamedTuple):
     resizes: bool
 
 
-# OpOverload -> the arguments it writes (empty for most ops); holding the op keeps its id valid.
-_WRITTEN_ARGUMENTS: dict[torch._ops.OpOverload, tuple[_WrittenArgument, ...]] = {}
-# id(OpOverload) -> callable, for ops that write nothing: the per-operator fast path.
+class _WritingOp(NamedTuple):
+    call: Callable[..., Any]
+    written: tuple[_WrittenArgument, ...]
+
+
+# Both keyed by id(OpOverload): OpOverload.__hash__ is Python code. Every op seen is kept alive in
+# _SEEN_OPS, so an id can never be reused by another op.
+# Ops that write nothing -> what to call: the per-operator fast path.
 _READ_ONLY_OPS: dict[int, Callable[..., Any]] = {}
+# Ops that write -> what to call and which arguments they write.
+_WRITING_OPS: dict[int, _WritingOp] = {}
+_SEEN_OPS: list[torch._ops.OpOverload] = []
 
 
 def _written_arguments(func: torch._ops.OpOverload) -> tuple[_WrittenArgument, ...]:
@@ -472,38 +511,40 @@ _open_contexts: tuple[MutationContext, ...] = ()
 _open_contexts_lock = threading.Lock()
 
 
-def _tensors_in(value: object) -> Iterable[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return (value,)
-    if isinstance(value, (list, tuple)):
-        return [item for item in value if isinstance(item, torch.Tensor)]
-    return ()
+def _first_call(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Read which arguments ``func`` writes, cache it, then run it as later calls will."""
+    written = _written_arguments(func)
+    # OpOverload.__call__ only forwards to _op; subclasses may do more.
+    call = func._op if type(func) is torch._ops.OpOverload else func
+    _SEEN_OPS.append(func)
+    if not written:
+        _READ_ONLY_OPS[id(func)] = call
+        return call(*args, **kwargs)
+    _WRITING_OPS[id(func)] = _WritingOp(call, written)
+    return _dispatch_write(func, args, kwargs)
 
 
-def _dispatch_slow(
+def _dispatch_write(
     func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """Every call of an op that writes, and the first call of any op."""
-    written = _WRITTEN_ARGUMENTS.get(func)
-    if written is None:
-        written = _written_arguments(func)
-        _WRITTEN_ARGUMENTS[func] = written
-        if not written:
-            # OpOverload.__call__ only forwards to _op; subclasses may do more.
-            call = func._op if type(func) is torch._ops.OpOverload else func
-            _READ_ONLY_OPS[id(func)] = call
-    if written:
-        _check_innermost_hooks(func)
-        for argument in written:
-            if 0 <= argument.position < len(args):
-                value = args[argument.position]
-            else:
-                value = kwargs.get(argument.name)
-            tensors = tuple(_tensors_in(value))
-            if tensors:
-                for context in _open_contexts:
-                    context._protect(tensors, argument.resizes)
-    return func(*args, **kwargs)
+    """Protect what ``func`` is about to write, then run it."""
+    op = _WRITING_OPS.get(id(func))
+    if op is None:
+        return _first_call(func, args, kwargs)
+    _check_innermost_hooks(func)
+    contexts = _open_contexts
+    for argument in op.written:
+        position = argument.position
+        value = args[position] if 0 <= position < len(args) else kwargs.get(argument.name)
+        if isinstance(value, torch.Tensor):
+            tensors: Sequence[torch.Tensor] = (value,)
+        elif isinstance(value, (list, tuple)):
+            tensors = [item for item in value if isinstance(item, torch.Tensor)]
+        else:
+            continue
+        for context in contexts:
+            context._protect(tensors, argument.resizes)
+    return op.call(*args, **kwargs)
 
 
 def _torch_dispatch(
@@ -515,7 +556,7 @@ def _torch_dispatch(
 ) -> Any:
     call = _READ_ONLY_OPS.get(id(func))
     if call is None:
-        return _dispatch_slow(func, args, kwargs or {})
+        return _dispatch_write(func, args, kwargs or {})
     if kwargs:
         return call(*args, **kwargs)
     return call(*args)

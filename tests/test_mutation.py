@@ -707,11 +707,12 @@ class TestAllowMutationOnSavedTensors:
     def test_read_only_ops_take_the_fast_path(self) -> None:
         """After its first call an op that writes nothing is a single dict lookup."""
         with tensorhooks.allow_mutation_on_saved_tensors():
-            torch.randn(3).cos()
+            torch.randn(3).cos().mul_(2.0)
         assert _mutation._READ_ONLY_OPS[id(torch.ops.aten.cos.default)] is (
             torch.ops.aten.cos.default._op
         )
         assert id(torch.ops.aten.mul_.Tensor) not in _mutation._READ_ONLY_OPS
+        assert _mutation._WRITING_OPS[id(torch.ops.aten.mul_.Tensor)].written == ((0, "self", False),)
 
     @pytest.mark.parametrize(
         ("make", "resizes", "span"),
