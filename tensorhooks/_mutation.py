@@ -3,11 +3,11 @@
 # NOTE [Clone before write]
 #
 # Inside the context every tensor autograd saves goes through our pack hook, which returns a
-# small handle (``_SavedTensor``) holding a detached alias of the tensor; the unpack hook is
+# small handle (``_SavedTensor``) holding the tensor; the unpack hook is
 # ``operator.attrgetter("tensor")``, so backward reads whatever the handle holds. A
 # TorchDispatchMode sees every operator; just before an operator writes to a tensor it finds the
 # saved tensors that share the written tensor's storage and whose byte span overlaps the span the
-# write touches, clones each of them and swaps the clone into its handle. Backward therefore sees
+# write can reach, clones each of them and puts the clone in its handle. Backward therefore sees
 # the saved values whatever alias the write went through: the tensor itself, a view, its base, a
 # transposed or strided view, an overlapping slice, an ``out=`` argument, a foreach list.
 #
@@ -21,20 +21,28 @@
 # bumped the shared version counter.
 #
 # Costs, in the order they are paid:
-#   every operator: one dict lookup keyed by the OpOverload's id, cached the first time the op is
-#       seen from its schema (``alias_info.is_write`` on its arguments). Operators that write
-#       nothing are called straight through ``OpOverload._op``, skipping ``OpOverload.__call__``.
-#   every saved tensor: one handle, one detached alias (made with the Python dispatch key
-#       excluded so that it does not re-enter the mode), one weak reference in a pending set.
-#       Nothing is keyed by storage yet: most saved tensors are never written.
-#   every write: the pending handles are indexed by storage once (amortised: each handle at most
-#       once), then one dict lookup keyed by the written storage. Only when saved tensors live on
-#       that storage are spans computed and clones made.
-# The handle is the only strong owner of the alias or clone, and autograd is the only owner of
-# the handle, so both die with the graph (after backward, or when the graph is dropped). The sets
-# that index handles hold weak references whose callbacks remove them. The alias is detached so
-# that a saved output (which references the node that saves it) does not form a reference
-# cycle through the handle, which Python's collector cannot see through autograd's C++ nodes.
+#   every operator: one dict lookup keyed by the OpOverload's id. What an op writes is read from
+#       its schema (``alias_info.is_write``) the first time it is seen; ops that write nothing
+#       are then called straight through ``OpOverload._op``, skipping ``OpOverload.__call__``.
+#   every saved tensor: one handle and one weak reference, added to the context's pending set
+#       (whose discard is the reference's callback). Nothing is keyed by storage yet: most saved
+#       tensors are never written.
+#   every write: handles saved since the last write are indexed by storage (each handle at most
+#       once: its weak reference moves into a per-storage list, dead ones pruned in amortised
+#       sweeps), then one dict lookup keyed by the written storage. Only when saved tensors live
+#       on that storage are spans computed and clones made.
+#
+# Memory: the handle is the only strong owner of what it holds, and autograd is the only owner of
+# the handle, so both die with the graph, after backward or when the graph is dropped. A tensor
+# that is an output of the very node saving it (``exp``, ``relu``, a custom Function saving its
+# result) references that node through ``grad_fn``; holding it would close a cycle through the
+# node's C++ saved variable that Python's collector cannot see (torch's context has this cycle
+# and keeps such graphs until it exits). Such tensors are recognised by their ``grad_fn``'s
+# sequence number (the node created last on this thread) and held through a detached alias,
+# made with the Python dispatch key excluded so that it does not re-enter the mode. Other
+# tensors are held as they are, as plain autograd does. If a node was created between the saving
+# node and the save (a custom Function applied inside another's forward), an output is held as it
+# is and its graph, if dropped without backward, lives until the context exits, as with torch.
 #
 # TorchDispatchMode wraps every subclass's ``__torch_dispatch__`` in ``torch._disable_dynamo``, a
 # Python-level wrapper that costs about as much per operator as the whole handler. We instead
@@ -42,10 +50,10 @@
 # (``set_code_exec_strategy``, what ``torch._dynamo.disable(recursive=True)`` amounts to, at no
 # per-call cost) and opt out of the wrapper; torch versions without that hook keep the wrapper.
 #
-# Threads and nesting: each context has its own tracker; open contexts are listed in a module-
-# level tuple, and a write made under any context's mode, on any thread, protects the tensors
-# saved by every open context. Nesting is allowed (unlike torch): the inner context tracks what
-# is saved inside it and must also see its backward. Hook pairs pushed inside the context with
+# Threads and nesting: each context has its own state; open contexts are listed in a module-level
+# tuple, and a write made under any context's mode, on any thread, protects the tensors saved by
+# every open context. Nesting is allowed (unlike torch): the inner context tracks what is saved
+# inside it and must also see its backward. Hook pairs pushed inside the context with
 # tensorhooks' ``saved_tensors_hooks`` (and its subclasses) are wrapped by the context's save
 # guard and keep the protection. torch's own ``saved_tensors_hooks`` cannot be intercepted when
 # pushed; an in-place write made while one is the innermost pair raises ``UnguardedHooksError``.
@@ -137,7 +145,7 @@ _unpack: Callable[[_SavedTensor], torch.Tensor] = operator.attrgetter("tensor")
 def _make_pack(pending: set[weakref.ref[_SavedTensor]]) -> Callable[[torch.Tensor], _SavedTensor]:
     """Return the context's pack hook; handles go into ``pending`` until a write indexes them.
 
-    See NOTE [Holding saved tensors without reference cycles].
+    See NOTE [Clone before write] for why saved outputs are held through a detached alias.
     """
     add = pending.add
     discard = pending.discard
@@ -368,8 +376,8 @@ class _GuardedSave:
 def _is_copy(packed: object, tensor: torch.Tensor) -> bool:
     """Whether ``packed`` provably holds nothing that shares ``tensor``'s storage."""
     if isinstance(packed, torch.Tensor):
-        if packed is tensor:
-            return False
+        if packed is tensor or type(packed) not in _PLAIN_TENSOR_TYPES:
+            return False  # a tensor subclass may wrap the saved tensor without sharing storage
         try:
             return not _is_alias_of(packed, tensor)
         except (RuntimeError, NotImplementedError):

@@ -416,6 +416,33 @@ class TestAllowMutationOnSavedTensors:
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
         assert calls == [1]  # the user's unpack still runs
 
+    def test_copying_hooks_inside_track_nothing(self) -> None:
+        """A pack that returns a real copy needs no protection: nothing is tracked or cloned."""
+        a = leaf_4x6().requires_grad_()
+        with tensorhooks.allow_mutation_on_saved_tensors() as ctx:
+            b = a * 1
+            with tensorhooks.saved_tensors_hooks(lambda t: t.detach().clone(), lambda p: p):
+                out = (b**2).sum()
+            assert ctx.num_saved() == 0
+            b.mul_(2.0)
+            assert ctx.num_cloned() == 0
+            out.backward()
+        torch.testing.assert_close(a.grad, 2 * leaf_4x6())
+
+    def test_guarded_hooks_free_dropped_graphs(self) -> None:
+        """Saved outputs packed as aliases by guarded user hooks do not keep their graph alive."""
+        a = leaf_4x6().requires_grad_()
+        with (
+            tensorhooks.allow_mutation_on_saved_tensors() as ctx,
+            tensorhooks.saved_tensors_hooks(lambda t: t.detach(), lambda p: p),
+        ):
+            b = torch.tanh(a * 1)  # saves its output
+            b.mul_(2.0)
+            watched = weakref.ref(b)
+            del b
+            assert watched() is None
+            assert ctx.num_saved() == 0
+
     def test_torch_is_wrong_with_hooks_pushed_inside(self) -> None:
         """Case 7: torch's tracker is replaced by inner hooks and the gradient is wrong."""
 
@@ -712,7 +739,8 @@ class TestAllowMutationOnSavedTensors:
             torch.ops.aten.cos.default._op
         )
         assert id(torch.ops.aten.mul_.Tensor) not in _mutation._READ_ONLY_OPS
-        assert _mutation._WRITING_OPS[id(torch.ops.aten.mul_.Tensor)].written == ((0, "self", False),)
+        writing = _mutation._WRITING_OPS[id(torch.ops.aten.mul_.Tensor)]
+        assert writing.written == ((0, "self", False),)
 
     @pytest.mark.parametrize(
         ("make", "resizes", "span"),
