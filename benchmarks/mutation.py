@@ -75,11 +75,13 @@ CONTEXTS: dict[str, Callable[[], Any] | None] = {
 def scenario(title: str, rounds: int, *, accumulate: bool) -> dict[str, float]:
     model = mlp(50)
     batch = torch.randn(8, 64)
+    params = list(model.parameters())
 
     def step(context: Callable[[], Any] | None) -> Callable[[], None]:
         def run() -> None:
             if not accumulate:
-                model.zero_grad(set_to_none=True)
+                for param in params:  # what zero_grad(set_to_none=True) does, 10x cheaper
+                    param.grad = None
             if context is None:
                 model(batch).sum().backward()
                 return

@@ -171,14 +171,6 @@ def _make_pack(pending: set[weakref.ref[_SavedTensor]]) -> Callable[[torch.Tenso
     return pack
 
 
-def _storage_key(tensor: torch.Tensor) -> int | None:
-    """The address of ``tensor``'s StorageImpl, or None for tensors without one (sparse)."""
-    try:
-        return tensor.untyped_storage()._cdata  # type: ignore[no-any-return]
-    except (NotImplementedError, RuntimeError):
-        return None
-
-
 _EVERYTHING = (0, float("inf"))
 
 
@@ -296,7 +288,11 @@ class MutationContext:
             saved = ref()
             if saved is None:
                 continue
-            key = _storage_key(saved.tensor)
+            # Storage key: the StorageImpl's address; None without a storage (sparse).
+            try:
+                key = saved.tensor.untyped_storage()._cdata
+            except (NotImplementedError, RuntimeError):
+                key = None
             bucket = by_storage.get(key)
             if bucket is None:
                 by_storage[key] = [ref]
@@ -324,7 +320,10 @@ class MutationContext:
         if not by_storage:
             return
         for tensor in written:
-            key = _storage_key(tensor)
+            try:  # the storage key, as in _index_pending
+                key = tensor.untyped_storage()._cdata
+            except (NotImplementedError, RuntimeError):
+                key = None
             if key in by_storage:
                 with self._lock:
                     self._clone_overlapping(key, tensor, resizes)

@@ -517,6 +517,33 @@ class TestAllowMutationOnSavedTensors:
         got = grad_under(tensorhooks.allow_mutation_on_saved_tensors, program, leaf_4x6())
         torch.testing.assert_close(got, expected)
 
+    @pytest.mark.parametrize(
+        "device",
+        [
+            "cpu",
+            pytest.param(
+                "cuda",
+                marks=[
+                    pytest.mark.cuda,
+                    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+                ],
+            ),
+        ],
+    )
+    def test_write_during_backward(self, device: str) -> None:
+        """A hook that writes a saved tensor during backward (CUDA: on a device thread)."""
+        a = leaf_4x6().to(device).requires_grad_()
+        with tensorhooks.allow_mutation_on_saved_tensors():
+            b = a * 1
+            squared = b**2  # PowBackward saves b; it runs after the hook below
+
+            def write(grad: torch.Tensor) -> None:
+                b.mul_(3.0)
+
+            squared.register_hook(write)
+            squared.sum().backward()
+        torch.testing.assert_close(a.grad, 2 * leaf_4x6().to(device))
+
     # --- nesting and threads ------------------------------------------------------------------
 
     def test_nesting_is_harmless(self) -> None:
