@@ -79,10 +79,27 @@ __all__ = ["MutationContext", "allow_mutation_on_saved_tensors"]
 
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
-# torch's stubs omit that this returns None when no hooks are pushed.
-_top_hooks: Callable[[bool], tuple[Callable[..., Any], Callable[..., Any]] | None] = (
-    torch._C._autograd._top_saved_tensors_default_hooks
-)
+
+
+_HookPair = tuple[Callable[..., Any], Callable[..., Any]]
+
+
+def _find_top_hooks() -> Callable[[], _HookPair | None] | None:
+    """Return a reader of the innermost saved-tensor hooks, or None before torch 2.8."""
+    top: Callable[..., _HookPair | None] | None = getattr(
+        torch._C._autograd, "_top_saved_tensors_default_hooks", None
+    )
+    if top is None:
+        return None
+    try:
+        top(False)
+    except TypeError:  # versions whose reader takes no argument
+        return top
+    return lambda: top(False)
+
+
+# Returns the innermost (pack, unpack) pair pushed on this thread, or None (stubs omit None).
+_top_hooks = _find_top_hooks()
 # Not in torch's stubs; True when two tensors share a storage.
 _is_alias_of: Callable[[torch.Tensor, torch.Tensor], bool] = torch._C._is_alias_of  # type: ignore[attr-defined]
 _set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
@@ -454,7 +471,7 @@ _TRUSTED_HOOK_MODULES = frozenset({"torch.utils.checkpoint"})
 
 def _check_innermost_hooks(func: torch._ops.OpOverload) -> None:
     """Raise if the innermost saved-tensor hooks hide saved tensors from the context."""
-    top = _top_hooks(False)
+    top = _top_hooks() if _top_hooks is not None else None
     if top is None:
         return
     pack = top[0]
