@@ -197,8 +197,8 @@ class RichConsole:
 
         table = Table(title=title, title_justify="left")
         for index, column in enumerate(columns):
-            # Only the second column (a sentence) wraps; names and figures stay on one line.
-            table.add_column(column, no_wrap=index != 1, overflow="fold")
+            # Only the last column (free text) wraps; names and figures stay on one line.
+            table.add_column(column, no_wrap=index < len(columns) - 1, overflow="fold")
         for row in rows:
             table.add_row(*row)
         self._console.print(table)

@@ -663,16 +663,16 @@ def _timed_step(
 
 
 def result_table(result: DemoResult) -> tuple[list[str], list[list[str]]]:
-    """The demo's table: columns and rows of text."""
-    columns = ["feature", "what it did (per step)", "grads match", "max |diff|", "time vs plain"]
+    """The demo's table: columns and rows of text (free text last, so the figures line up)."""
+    columns = ["feature", "grads match", "max |diff|", "time vs plain", "what it did (per step)"]
     reference = result.rows[0].times
     rows = []
     for index, row in enumerate(result.rows):
         if not row.available:
-            rows.append([row.feature, row.what, "-", "-", "-"])
+            rows.append([row.feature, "-", "-", "-", row.what])
             continue
         if index == 0:
-            rows.append([row.feature, row.what, "(reference)", "-", "1.00x"])
+            rows.append([row.feature, "(reference)", "-", "1.00x", row.what])
             continue
         ratio = row.time_ratio(reference)
         if row.error is not None:
@@ -682,5 +682,6 @@ def result_table(result: DemoResult) -> tuple[list[str], list[list[str]]]:
             difference = f"{row.max_diff:.1e}" if row.max_diff else "0"
         else:
             verdict, difference = "NO", f"{row.max_diff:.1e}"
-        rows.append([row.feature, row.what, verdict, difference, f"{ratio:.2f}x" if ratio else "-"])
+        timing = f"{ratio:.2f}x" if ratio else "-"
+        rows.append([row.feature, verdict, difference, timing, row.what])
     return columns, rows
