@@ -157,10 +157,11 @@ def demo(
     started = time.perf_counter()
     result = run_demo(config, console)
     millions = result.parameters / 1e6
+    plural = "s" if steps != 1 else ""
     console.line(
         f"Trained a tiny transformer ({config.layers} layers, d_model {config.d_model}, "
         f"{millions:.2f}M parameters, batch {config.batch}x{config.seq} tokens) for {steps} "
-        f"steps under each feature; loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}."
+        f"step{plural} under each feature; loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}."
     )
     columns, rows = result_table(result)
     console.table("What each feature did, checked against plain autograd", columns, rows)
