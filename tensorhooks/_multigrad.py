@@ -11,20 +11,19 @@
 # under a key private to the hook, so concurrent backward calls never share a counter and nothing
 # survives the task, whether backward succeeded or raised.
 #
-# Two places where the engine's answer is not the exact set of hooks that fire:
-#   * ``autograd.grad(..., inputs=leaf)``: the engine raises for a captured leaf's accumulator
-#     (pytorch issue 131753). A captured leaf's tensor hook does fire, so that counts as "runs".
-#   * a node that runs because some *other* output of it was captured by ``autograd.grad``: the
-#     engine says it runs, but the hook of the uncaptured output does not fire.
-# Either way the count may only be too high, never too low. So in addition to firing when the
-# count is reached, each hook queues an end-of-task callback that fires ``fn`` with the grads seen
-# so far if the count was never reached. ``fn`` still runs exactly once, with exactly the grads
-# whose hooks fired.
+# One place where the engine cannot answer: ``autograd.grad(..., inputs=leaf)`` makes it raise for
+# a captured leaf's accumulator (pytorch issue 131753). A captured leaf's tensor hook does fire,
+# so that counts as "runs". Should the count ever be too high for another reason (a hook the
+# engine says will run but that does not), the hook still must not be lost: each hook also queues
+# an end-of-task callback that fires ``fn`` with the grads seen so far if the count was never
+# reached. ``fn`` runs exactly once per backward either way, with exactly the grads whose hooks
+# fired; the property tests compare that set with plain tensor hooks on random programs.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Literal, cast
 
@@ -38,6 +37,7 @@ from ._store import GraphTaskState, graph_task_store
 __all__ = ["MultiGradHandle", "register_multi_grad_hook"]
 
 _will_engine_execute_node: Callable[[Node], bool] = torch._C._will_engine_execute_node
+_current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
 
 AllHook = Callable[[Sequence[torch.Tensor | None]], None]
 AnyHook = Callable[[torch.Tensor], None]
@@ -57,11 +57,19 @@ class MultiGradHandle(RemovableHandle):
         for handle in self.handles:
             handle.remove()
 
-    def __getstate__(self) -> tuple[RemovableHandle, ...]:
-        return self.handles
+    def __getstate__(self) -> tuple[int, ...]:
+        # The hooks themselves are closures over autograd nodes and cannot be pickled (torch's
+        # handle fails here). As with a RemovableHandle whose dict is gone, the unpickled copy
+        # is inert: its remove() does nothing, and the original keeps working.
+        return tuple(handle.id for handle in self.handles)
 
-    def __setstate__(self, state: tuple[RemovableHandle, ...]) -> None:
-        self.handles = state
+    def __setstate__(self, state: tuple[int, ...]) -> None:
+        handles = []
+        for hook_id in state:
+            handle = RemovableHandle.__new__(RemovableHandle)
+            handle.__setstate__((None, hook_id))
+            handles.append(handle)
+        self.handles = tuple(handles)
 
 
 def _grad_node(tensor: torch.Tensor) -> Node:
@@ -87,13 +95,45 @@ def _hook_fires(node: Node) -> bool:
 
 
 class _AllState:
-    __slots__ = ("calls", "expected", "fired", "grads")
+    """What one "all" hook keeps in one graph task."""
 
-    def __init__(self, expected: int, size: int) -> None:
-        self.expected = expected
-        self.calls = 0
+    __slots__ = ("calls", "fired", "fn", "grads", "last")
+
+    def __init__(self, expected: int, size: int, fn: AllHook) -> None:
+        # ``next(calls)`` is atomic under the GIL: exactly one hook call draws ``last``.
+        self.calls = itertools.count()
+        self.last = expected - 1
         self.fired = False
+        self.fn = fn
         self.grads: list[torch.Tensor | None] = [None] * size
+
+
+_PENDING = object()  # store key: the "all" states of a task, flushed at its end
+
+
+def _flush_pending(pending: list[_AllState]) -> None:
+    """End of a graph task: fire the hooks whose expected count was never reached.
+
+    A state exists only once one of its hooks was called, so each one left unfired here owes
+    exactly one call. End callbacks run after every node of the task, so no hook races this.
+    """
+    for state in pending:
+        if not state.fired:
+            state.fired = True
+            state.fn(state.grads)
+
+
+def _pending_states(task: GraphTaskState) -> list[_AllState]:
+    """The task's list of "all" states, created with its end-of-task flush on first use."""
+    pending: list[_AllState] | None = task.slots.get(_PENDING)
+    if pending is None:
+        candidate: list[_AllState] = []
+        # dict.setdefault is atomic: if hooks on two device threads race, one list wins and
+        # only the winner registers the flush.
+        pending = task.slots.setdefault(_PENDING, candidate)
+        if pending is candidate:
+            task.on_end(functools.partial(_flush_pending, pending))
+    return pending
 
 
 def _register_all(
@@ -102,33 +142,30 @@ def _register_all(
     key = object()
     size = len(tensors)
     nodes = [_grad_node(tensors[positions[0]]) for positions in groups.values()]
+    current = graph_task_store.current
+    tasks = graph_task_store.tasks_by_id
 
-    def state_for(task: GraphTaskState) -> _AllState:
-        state = _AllState(sum(map(_hook_fires, nodes)), size)
-
-        def flush() -> None:
-            with task.lock:
-                late = not state.fired and state.calls > 0
-                state.fired = True
-            if late:
-                fn(state.grads)
-
-        task.on_end(flush)
+    def new_state(task: GraphTaskState) -> _AllState:
+        try:
+            expected = sum(map(_will_engine_execute_node, nodes))
+        except RuntimeError:
+            expected = sum(map(_hook_fires, nodes))
+        candidate = _AllState(expected, size, fn)
+        state: _AllState = task.slots.setdefault(key, candidate)
+        if state is candidate:
+            _pending_states(task).append(state)
         return state
 
     def make_hook(positions: tuple[int, ...]) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
-            task = graph_task_store.current()
-            state: _AllState = task.get(key, lambda: state_for(task))
-            with task.lock:
-                for position in positions:
-                    state.grads[position] = grad
-                state.calls += 1
-                ready = state.calls >= state.expected and not state.fired
-                if ready:
-                    state.fired = True
-            if ready:
-                fn(state.grads)
+            task = tasks.get(_current_graph_task_id()) or current()
+            state: _AllState = task.slots.get(key) or new_state(task)
+            grads = state.grads
+            for position in positions:
+                grads[position] = grad
+            if next(state.calls) == state.last:
+                state.fired = True
+                fn(grads)
 
         return hook
 
@@ -207,6 +244,9 @@ def register_multi_grad_hook(
 
     Threads: the hook may be registered on one thread and fire on any; concurrent backward
     calls each get their own count, and ``fn`` may run concurrently for different calls.
+
+    Lifetime: as in torch, the hook holds the gradient accumulators of leaf tensors, which keeps
+    those leaves alive until ``handle.remove()``; non-leaf tensors are not kept alive.
     """
     if mode not in _MODES:
         raise InvalidHookModeError(

@@ -66,7 +66,7 @@ class SaveGuard(Protocol):
 def _aliases(packed: object, tensor: torch.Tensor) -> bool:
     """Whether ``packed`` (a tensor, or a tuple/list of them) shares ``tensor``'s storage."""
     if isinstance(packed, torch.Tensor):
-        return packed is tensor or _is_alias_of(packed, tensor)
+        return _is_alias_of(packed, tensor)
     if isinstance(packed, (tuple, list)):
         return any(
             isinstance(item, torch.Tensor) and (item is tensor or _is_alias_of(item, tensor))
@@ -88,15 +88,10 @@ def modified_error(tensor: torch.Tensor, saved_version: int) -> SavedTensorModif
     )
 
 
-class _AliasedSave:
-    """What the version guard stores when pack returned something sharing the saved storage."""
-
-    __slots__ = ("packed", "source", "version")
-
-    def __init__(self, packed: object, source: torch.Tensor, version: int) -> None:
-        self.packed = packed
-        self.source = source
-        self.version = version
+# What the version guard stores when pack returned something sharing the saved storage:
+# ``(_ALIASED, packed, source, version)``. A plain tuple is the cheapest record to build; no user
+# object can start with this private marker.
+_ALIASED = object()
 
 
 class VersionGuard:
@@ -110,19 +105,21 @@ class VersionGuard:
 
         def pack(tensor: torch.Tensor) -> object:
             packed = pack_hook(tensor)
+            if packed is tensor:
+                return (_ALIASED, packed, packed, tensor._version)
             if _aliases(packed, tensor):
                 # Read the version through a tensor that shares the version counter. Holding
                 # ``tensor`` itself would add a reference cycle when it is the output of the very
                 # node that saves it; a detached alias holds no graph.
-                source = packed if packed is tensor else tensor.detach()
-                return _AliasedSave(packed, source, tensor._version)
+                return (_ALIASED, packed, tensor.detach(), tensor._version)
             return packed
 
-        def unpack(stored: object) -> torch.Tensor:
-            if type(stored) is _AliasedSave:
-                if stored.source._version != stored.version:
-                    raise modified_error(stored.source, stored.version)
-                stored = stored.packed
+        def unpack(stored: Any) -> torch.Tensor:
+            if type(stored) is tuple and len(stored) == 4 and stored[0] is _ALIASED:
+                _, packed, source, version = stored
+                if source._version != version:
+                    raise modified_error(source, version)
+                return unpack_hook(packed)
             return unpack_hook(stored)
 
         return pack, unpack
@@ -237,11 +234,12 @@ def disable_saved_tensors_hooks(error_message: str) -> Generator[None, None, Non
 
     Raises:
         TypeError: if ``error_message`` is not a string.
+        RuntimeError: ``error_message``, on entry, if saved-tensor hooks are in force.
 
     Nesting and threads: nests; the innermost message applies and the outer one is back after
-    the inner context exits. The disabled state is per thread, as in torch. Hooks already pushed
-    when entering stay in force for tensors saved inside (torch's semantics): only *entering* new
-    hooks is refused.
+    the inner context exits. The disabled state is per thread, as in torch. Entering it while
+    saved-tensor hooks are in force raises ``RuntimeError(error_message)`` at once (torch's
+    semantics), and leaves the previous state in place.
     """
     if not isinstance(error_message, str):
         raise InvalidHookArgumentError(
@@ -249,8 +247,10 @@ def disable_saved_tensors_hooks(error_message: str) -> Generator[None, None, Non
             f"of type {type(error_message).__name__}"
         )
     previous = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()
-    torch._C._autograd._saved_tensors_hooks_disable(error_message)
     try:
+        # Inside the try: when hooks are already in force, torch records the message and then
+        # raises it, and the state must still be restored.
+        torch._C._autograd._saved_tensors_hooks_disable(error_message)
         yield
     finally:
         if previous is None:

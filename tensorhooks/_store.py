@@ -46,6 +46,9 @@ _queue_callback: Callable[[Callable[[], None]], None] = (
 )
 
 
+_MISSING = object()
+
+
 class _Sentinel:
     """Owned only by a graph task's end callback; its death means the graph task is gone."""
 
@@ -71,10 +74,9 @@ class GraphTaskState:
 
     def get(self, key: object, factory: Callable[[], _T]) -> _T:
         """Return the state stored under ``key``, creating it with ``factory`` on first use."""
-        try:
-            return self.slots[key]  # type: ignore[no-any-return]
-        except KeyError:
-            pass
+        value = self.slots.get(key, _MISSING)
+        if value is not _MISSING:
+            return value  # type: ignore[no-any-return]
         with self.lock:
             if key not in self.slots:
                 self.slots[key] = factory()
@@ -112,7 +114,8 @@ class GraphTaskStore:
     """
 
     def __init__(self) -> None:
-        self._tasks: dict[int, GraphTaskState] = {}
+        # Read directly (``tasks_by_id.get(task_id)``) by hooks on hot paths, to save a call.
+        self.tasks_by_id: dict[int, GraphTaskState] = {}
         self._lock = threading.Lock()
 
     def current(self) -> GraphTaskState:
@@ -122,7 +125,7 @@ class GraphTaskStore:
             GraphTaskError: when called outside a backward call.
         """
         task_id = _current_graph_task_id()
-        state = self._tasks.get(task_id)
+        state = self.tasks_by_id.get(task_id)
         if state is None:
             state = self._open(task_id)
         return state
@@ -135,12 +138,12 @@ class GraphTaskStore:
                 "that autograd runs during backward() or autograd.grad()"
             )
         with self._lock:
-            state = self._tasks.get(task_id)
+            state = self.tasks_by_id.get(task_id)
             if state is not None:
                 return state
             state = GraphTaskState(task_id)
             sentinel = _Sentinel()
-            finalizer = weakref.finalize(sentinel, self._tasks.pop, task_id, None)
+            finalizer = weakref.finalize(sentinel, self.tasks_by_id.pop, task_id, None)
             finalizer.atexit = False
 
             def end_of_task(sentinel: _Sentinel = sentinel) -> None:
@@ -150,15 +153,15 @@ class GraphTaskStore:
             # callback, and the callback the only owner of the sentinel.
             _queue_callback(end_of_task)
             del sentinel
-            self._tasks[task_id] = state
+            self.tasks_by_id[task_id] = state
             return state
 
     def __len__(self) -> int:
-        return len(self._tasks)
+        return len(self.tasks_by_id)
 
     def task_ids(self) -> list[int]:
         """Return the ids of the graph tasks that currently hold state (for diagnostics)."""
-        return list(self._tasks)
+        return list(self.tasks_by_id)
 
 
 graph_task_store = GraphTaskStore()
