@@ -20,6 +20,7 @@ import datetime
 import os
 import platform
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -502,7 +503,12 @@ def _script_list(options: BenchOptions, report: BenchReport) -> list[Path]:
             "(the scripts ship with the source tree, not with the installed package)."
         )
         return []
-    scripts = sorted(p for p in options.scripts.glob("*.py") if not p.name.startswith("_"))
+    # A script has a main guard; other modules there (shared timing helpers) are imported by them.
+    scripts = sorted(
+        path
+        for path in options.scripts.glob("*.py")
+        if re.search(r"""^if __name__ == ["']__main__["']:""", path.read_text(), re.M)
+    )
     if not scripts:
         report.scripts_note = f"No benchmark scripts in {options.scripts} in this build."
     return scripts

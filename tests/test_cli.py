@@ -164,7 +164,10 @@ class TestBench:
         pytest.importorskip("matplotlib")
         scripts = tmp_path / "benchmarks"
         scripts.mkdir()
-        (scripts / "bench_ok.py").write_text("print('identity hooks: 1.01x torch')\n")
+        (scripts / "bench_ok.py").write_text(
+            "from helper import RATIO\nif __name__ == '__main__':\n    print(RATIO)\n"
+        )
+        (scripts / "helper.py").write_text("RATIO = 'identity hooks: 1.01x torch'\n")
         out = tmp_path / "out"
         stream = io.StringIO()
         options = BenchOptions(out=out, rounds=1, steps=1, scripts=scripts, gpu=False)
@@ -179,6 +182,7 @@ class TestBench:
         ):
             assert re.search(rf"^\| {re.escape(mode)} \| \d+\.\d\dx \|", markdown, re.M), mode
         assert "### bench_ok.py" in markdown
+        assert "### helper.py" not in markdown  # a module without a main guard is no script
         assert "identity hooks: 1.01x torch" in markdown
         assert "![benchmarks](benchmarks.png)" in markdown
         assert (out / "benchmarks.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
@@ -188,7 +192,9 @@ class TestBench:
         """A benchmark script exiting non-zero is marked FAILED, its output kept."""
         scripts = tmp_path / "benchmarks"
         scripts.mkdir()
-        (scripts / "bench_bad.py").write_text("import sys\nprint('partial')\nsys.exit(3)\n")
+        (scripts / "bench_bad.py").write_text(
+            "import sys\nif __name__ == '__main__':\n    print('partial')\n    sys.exit(3)\n"
+        )
         stream = io.StringIO()
         options = BenchOptions(out=tmp_path / "out", rounds=1, steps=1, scripts=scripts, gpu=False)
         assert run_bench(options, PlainConsole(stream)) == 1
