@@ -51,7 +51,7 @@ class BenchOptions:
     """What the bench runs and where it writes."""
 
     out: Path
-    rounds: int = 7
+    rounds: int = 11
     steps: int = 20
     scripts: Path | None = None
     script_timeout: float = 600.0
@@ -348,6 +348,10 @@ def run_scripts(
     return runs
 
 
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
+
+
 def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
@@ -539,7 +543,7 @@ def run_bench(options: BenchOptions, console: Console) -> int:
     console.line(
         f"tensorhooks {tensorhooks.__version__} bench (torch {torch.__version__}): "
         f"{options.rounds} rounds x {options.steps} steps per mode"
-        + (f", then {len(scripts)} scripts from {options.scripts}" if scripts else "")
+        + (f", then {_count(len(scripts), 'script')} from {options.scripts}" if scripts else "")
     )
     total = options.rounds * (2 if gpu else 1) + len(scripts)
     with _progress(console, total) as advance:

@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
         "--out", type=Path, default=Path("bench-out"), help="output directory (default: bench-out)"
     )
     bench.add_argument(
-        "--rounds", type=int, default=7, help="interleaved rounds, median taken (default: 7)"
+        "--rounds", type=int, default=11, help="interleaved rounds, median taken (default: 11)"
     )
     bench.add_argument(
         "--steps", type=int, default=20, help="timed steps per mode and round (default: 20)"
