@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import re
 import subprocess
@@ -211,6 +212,26 @@ class TestBench:
         assert run_bench(options, PlainConsole(io.StringIO())) == 0
         markdown = (tmp_path / "out" / "benchmarks.md").read_text()
         assert f"No benchmark scripts found: {tmp_path / 'nowhere'} is not a directory" in markdown
+
+    def test_offload_benchmark_and_its_report_on_cpu(self, tmp_path: Path) -> None:
+        """The offload benchmark's code path runs on CPU, and its table reaches the report."""
+        from tensorhooks._bench import BenchReport, run_offload, write_chart, write_markdown
+
+        options = BenchOptions(out=tmp_path, rounds=1, steps=1)
+        advanced: list[str] = []
+        rows = run_offload(options, advanced.append, DemoConfig(**SMALL))
+        names = [row.mode for row in rows]
+        assert names[:2] == ["plain autograd", "torch save_on_cpu(pin_memory=False)"]
+        assert (len(names) == 3) == hasattr(tensorhooks, "save_on_cpu")
+        assert all(row.step_ms > 0 and row.peak_bytes == 0 for row in rows)
+        assert advanced == ["round 1/1 done"]
+        report = BenchReport(gpu=rows)
+        write_markdown(report, options, tmp_path / "benchmarks.md", DemoConfig(**SMALL))
+        markdown = (tmp_path / "benchmarks.md").read_text()
+        assert re.search(r"^\| plain autograd \| [\d.]+ ms \| 1\.00x \| 0 B \|", markdown, re.M)
+        if importlib.util.find_spec("matplotlib") is not None:
+            assert write_chart(report, tmp_path / "benchmarks.png") == ""
+            assert (tmp_path / "benchmarks.png").stat().st_size > 0
 
     @pytest.mark.cuda
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
