@@ -1,9 +1,10 @@
 """The Python examples of the documentation run, and do what they say.
 
 Every ```python block of README.md and docs/*.md is executed, the blocks of one page in order in
-one namespace, as a reader would paste them. A block preceded by an HTML comment
-``<!-- test: cuda -->`` runs only where CUDA is available; ``<!-- test: skip REASON -->`` marks a
-block that is not run (such as one that needs several processes); the reason is required.
+one namespace, as a reader would paste them. A block that puts tensors on a GPU (``.cuda()``,
+``device="cuda"``, ``torch.cuda.<anything but is_available>``), or that is preceded by the HTML
+comment ``<!-- test: cuda -->``, runs only where CUDA is available. ``<!-- test: skip REASON -->``
+marks a block that is not run (one that needs several processes, say); the reason is required.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
+NEEDS_CUDA = re.compile(r"""\.cuda\(\)|device=["']cuda|torch\.cuda\.(?!is_available\b)""")
 BLOCK = re.compile(
     r"(?:<!-- test: (?P<marker>[^>]*?) -->\s*\n)?^```python[^\n]*\n(?P<code>.*?)^```", re.M | re.S
 )
@@ -40,12 +42,21 @@ def test_page_examples_run(page: Path) -> None:
         if marker.startswith("skip"):
             assert marker.removeprefix("skip").strip(), f"{page.name}:{line}: give a reason to skip"
             continue
-        if marker == "cuda" and not torch.cuda.is_available():
+        cuda = marker == "cuda" or NEEDS_CUDA.search(code) is not None
+        if cuda and not torch.cuda.is_available():
             continue
         assert marker in ("", "cuda"), f"{page.name}:{line}: unknown marker {marker!r}"
         compiled = compile(code, f"{page.relative_to(ROOT)}:{line}", "exec")
         with contextlib.redirect_stdout(io.StringIO()):
             exec(compiled, namespace)  # the documentation's own example is the test
+
+
+def test_gpu_blocks_are_recognised() -> None:
+    """Blocks that need a GPU are told apart from those that only ask whether there is one."""
+    assert NEEDS_CUDA.search('x = torch.ones(2, device="cuda")')
+    assert NEEDS_CUDA.search("model.cuda()")
+    assert NEEDS_CUDA.search("torch.cuda.synchronize()")
+    assert not NEEDS_CUDA.search('device = "cuda" if torch.cuda.is_available() else "cpu"')
 
 
 def test_every_page_has_examples_found() -> None:
