@@ -1,11 +1,12 @@
 """``python -m tensorhooks demo``: train a tiny transformer under every feature, check gradients.
 
-Each training step first computes the reference gradients with plain autograd, then runs the
-same step under every feature of this build, compares each feature's gradients with the
-reference (exactly; on CUDA within a tolerance for non-deterministic kernels) and times it.
-The optimizer then steps with the reference gradients, so every feature sees the same weights.
-What each feature did is counted from the outside, with hooks and counters the demo owns:
-bytes saved for backward, bytes kept off the device, saved tensors changed in place, hooks fired.
+Each training step runs the same batch once with plain autograd and once under every feature of
+this build, in an order that rotates from step to step, and times each run. Each feature's
+gradients are compared with plain autograd's (exactly; on CUDA within a tolerance for
+non-deterministic kernels). The optimizer then steps with plain autograd's gradients, so every
+feature sees the same weights. What each feature did is counted from the outside, with hooks and
+counters the demo owns: bytes saved for backward, bytes kept off the device, saved tensors changed
+in place, hooks fired.
 
 A feature missing from this build (``hasattr(tensorhooks, name)`` is false) is listed as not
 available instead of failing, so the demo runs on any build.
