@@ -86,7 +86,8 @@ def main() -> None:
 
     print(
         f"fwd+bwd of {args.layers}x(Linear({args.width}, {args.width}) + ReLU), "
-        f"batch {args.batch}, 1 thread, median of {args.rounds} interleaved rounds of {args.steps} steps"
+        f"batch {args.batch}, 1 thread, median of {args.rounds} interleaved rounds "
+        f"of {args.steps} steps"
     )
     for name, value in median.items():
         print(f"  {name:20s} {value * 1e6:9.1f} us/step   {value / median['plain']:.3f}x plain")
