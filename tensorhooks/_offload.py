@@ -752,7 +752,7 @@ class save_on_cpu(saved_tensors_hooks):
         """Pack outside any entry (a direct call of ``pack_hook``): fence the copy at once."""
         stack: list[_Session] | None = getattr(self._entries, "stack", None)
         if stack:
-            return stack[-1].pack(tensor)
+            return self._cpu_fast_path(stack[-1])(tensor)
         session = self._session()
         packed = self._cpu_fast_path(session)(tensor)
         session.close()

@@ -34,13 +34,16 @@ class OffloadProgram(NamedTuple):
 @st.composite
 def offload_programs(draw: st.DrawFn, *, inplace: bool = False) -> OffloadProgram:
     """Random programs for save_on_cpu; with ``inplace``, some ops change values in place."""
-    names = OFFLOAD_UNARY_OPS + OFFLOAD_BINARY_OPS + (OFFLOAD_INPLACE_OPS if inplace else ())
+    # In-place ops are drawn often enough that some change a value already saved.
+    names = OFFLOAD_UNARY_OPS + OFFLOAD_BINARY_OPS + (OFFLOAD_INPLACE_OPS * 4 if inplace else ())
     length = draw(st.integers(1, 8))
     ops = []
     for k in range(length):
         values = k + 2
         name = draw(st.sampled_from(names))
-        ops.append((name, draw(st.integers(0, values - 1)), draw(st.integers(0, values - 1))))
+        # Leaves (0 and 1) cannot be changed in place: aim in-place ops at computed values.
+        low = 2 if name in OFFLOAD_INPLACE_OPS and values > 2 else 0
+        ops.append((name, draw(st.integers(low, values - 1)), draw(st.integers(0, values - 1))))
     total = length + 2
     outputs = draw(st.lists(st.integers(2, total - 1), min_size=1, max_size=3, unique=True))
     return OffloadProgram(
