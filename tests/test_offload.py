@@ -849,25 +849,43 @@ class TestSaveOnCpu:
 
     # --- docs ------------------------------------------------------------------------------
 
-    def test_docs_examples_run(self, capsys: pytest.CaptureFixture[str]) -> None:
-        """Every CPU example of docs/save_on_cpu.md runs and prints what its comments show."""
-        page = Path(__file__).parents[1] / "docs" / "save_on_cpu.md"
-        blocks = re.findall(r"(<!-- cuda -->\n)?```python\n(.*?)```", page.read_text(), re.S)
-        runnable = [code for marker, code in blocks if not marker]
-        assert len(runnable) >= 3
-        for code in runnable:
-            # The comment lines right after the last print() are the output it shows.
-            lines = code.splitlines()
-            shown: list[str] = []
-            prints = [i for i, line in enumerate(lines) if "print(" in line]
-            if prints:
-                for line in lines[prints[-1] + 1 :]:
-                    if not line.startswith("# "):
-                        break
-                    shown.append(line[2:])
+    @pytest.mark.parametrize(
+        ("page", "section"),
+        [("save_on_cpu.md", None), ("differences.md", "## save_on_cpu")],
+    )
+    def test_docs_examples_run(
+        self, page: str, section: str | None, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """The CPU examples of the docs run and print what their comments show."""
+        for code in doc_examples(page, section):
+            if "needs a GPU" in code and not torch.cuda.is_available():
+                continue
             capsys.readouterr()
-            exec(compile(code, str(page), "exec"), {})  # noqa: S102  # the docs' own examples
-            assert capsys.readouterr().out.splitlines() == shown
+            exec(compile(code, page, "exec"), {})  # the docs' own examples
+            assert capsys.readouterr().out.splitlines() == shown_output(code)
+
+
+def doc_examples(page: str, section: str | None) -> list[str]:
+    """The python code blocks of ``docs/<page>``, only those under ``section`` if given."""
+    text = (Path(__file__).parents[1] / "docs" / page).read_text()
+    if section is not None:
+        text = text.split(section + "\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert blocks, f"no examples in {page}"
+    return blocks
+
+
+def shown_output(code: str) -> list[str]:
+    """The output an example shows: the comment lines right after its last print()."""
+    lines = code.splitlines()
+    prints = [i for i, line in enumerate(lines) if "print(" in line]
+    shown: list[str] = []
+    if prints:
+        for line in lines[prints[-1] + 1 :]:
+            if not line.startswith("# "):
+                break
+            shown.append(line[2:])
+    return shown
 
 
 def f_with(context: AbstractContextManager[Any], f: Callable[[], torch.Tensor]) -> torch.Tensor:
