@@ -236,7 +236,8 @@ class _StreamEngine:
 
     @staticmethod
     def _allocate_host(nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        # An explicit device: torch.set_default_device("cuda") must not move host buffers.
+        return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
 
     def current_stream(self) -> Any:
         """The stream the calling thread runs its ops on, for this device."""
@@ -572,7 +573,11 @@ class _Session:
             module = getattr(torch, self.device_type, torch.cuda)
             if module.is_available():
                 host = torch.empty_strided(
-                    tuple(source.shape), _copy_strides(source), dtype=source.dtype, pin_memory=True
+                    tuple(source.shape),
+                    _copy_strides(source),
+                    dtype=source.dtype,
+                    device="cpu",
+                    pin_memory=True,
                 )
                 host.copy_(source, non_blocking=True)
                 return _HostCopy(device, host, non_blocking=True)
@@ -830,7 +835,7 @@ class _SimulatedEngine:
 
     @staticmethod
     def _allocate_host(nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return torch.empty(nbytes, dtype=torch.uint8, device="cpu")
 
     def current_stream(self) -> _SimStream:
         """The one compute stream."""
@@ -871,7 +876,7 @@ class _SimulatedEngine:
         tag: int,
     ) -> tuple[torch.Tensor, _SimEvent]:
         """Queue a copy of ``host`` into a new tensor; return the tensor and the event."""
-        out = torch.empty_strided(size, stride, dtype=dtype)
+        out = torch.empty_strided(size, stride, dtype=dtype, device="cpu")
         self.log.append(("to_device", tag))
         self.bytes_to_device += host.nbytes
 

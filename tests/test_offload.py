@@ -800,6 +800,17 @@ class TestSaveOnCpu:
             y.sum().backward()
         assert th.live_graph_tasks() == 0
 
+    def test_default_device_does_not_move_host_buffers(self) -> None:
+        """Under torch.set_default_device("meta") host copies are still made on the CPU."""
+        x = torch.randn(4, 4, requires_grad=True, device="cpu")
+        expected = torch.autograd.grad(x.exp().sin().sum(), x)
+        for pin_memory in (False, True):
+            with _offload_cpu_tensors_for_testing() as sim, torch.device("meta"):
+                with th.save_on_cpu(pin_memory=pin_memory, min_offload_bytes=0):
+                    loss = x.exp().sin().sum()
+                assert_grads_equal(torch.autograd.grad(loss, x), expected)
+            assert all(b.device.type == "cpu" for b in sim.pool._free.get(64, []))
+
     # --- threads and nesting ---------------------------------------------------------------
 
     def test_one_instance_on_several_threads(self) -> None:
