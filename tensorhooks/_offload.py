@@ -42,7 +42,10 @@
 # What is not copied (CPU tensors, parameters and views of them, tensors under the size
 # threshold) is returned by pack as-is, so the save guard of ``saved_tensors_hooks`` checks its
 # version at unpack: changing it in place before backward raises autograd's error (torch's
-# ``save_on_cpu`` silently uses the changed value for CPU tensors).
+# ``save_on_cpu`` silently uses the changed value for CPU tensors). Under a guard that lets saved
+# tensors change (``allow_mutation_on_saved_tensors``), that guard handles what is not copied,
+# and every copy is fenced as soon as it is issued, so a change right after the save is ordered
+# after the copy and backward sees the save-time value.
 """
 
 from __future__ import annotations
@@ -780,6 +783,10 @@ class save_on_cpu(saved_tensors_hooks):
         if type(guard) is VersionGuard:
             pack, unpack = _guarded_pair(session)
         else:
+            if not isinstance(guard, VersionGuard):
+                # A guard that lets saved tensors change (allow_mutation_on_saved_tensors):
+                # changes are expected, so each copy is ordered before the ops that follow it.
+                session.max_in_flight = 0
             pack, unpack = guard.wrap(self._cpu_fast_path(session), _unpack)
         _push_hooks(pack, unpack)
         stack: list[_Session] | None = getattr(self._entries, "stack", None)

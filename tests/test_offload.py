@@ -689,6 +689,34 @@ class TestSaveOnCpu:
                 h.add_(100)
             assert_grads_equal(torch.autograd.grad(loss, x), expected)
 
+    def test_mutation_tolerant_guard_fences_at_once(self) -> None:
+        """Under a guard that lets saved tensors change, a write right after the save is fine."""
+
+        class Cloning:
+            """Clones at save what pack returned as-is (a stand-in for a mutation guard)."""
+
+            def wrap(self, pack: Any, unpack: Any) -> tuple[Any, Any]:
+                def guarded_pack(t: torch.Tensor) -> object:
+                    packed = pack(t)
+                    return packed.clone() if packed is t else packed
+
+                return guarded_pack, unpack
+
+        x = torch.randn(4, 4, requires_grad=True)
+
+        def f(context: AbstractContextManager[Any]) -> tuple[torch.Tensor, ...]:
+            with context:
+                h = x.exp()
+                loss = h.sin().sum()
+                with torch.no_grad():
+                    h.add_(100)
+            return torch.autograd.grad(loss, x)
+
+        expected = f(clone_hooks())
+        with _offload_cpu_tensors_for_testing(), use_save_guard(Cloning()):
+            got = f(th.save_on_cpu(pin_memory=True, min_offload_bytes=0, max_in_flight=8))
+        assert_grads_equal(got, expected)
+
     def test_sources_are_held_until_fenced_and_released_after(self) -> None:
         """At most max_in_flight sources are held in forward; none after the context exits."""
         x = torch.randn(4, 4, requires_grad=True)
