@@ -531,7 +531,7 @@ class _Session:
         ):
             return tensor
         dense = type(tensor) in _PLAIN_TYPES and tensor.layout == torch.strided
-        dense = dense and not tensor.is_nested
+        dense = dense and not tensor.is_nested and not tensor.is_quantized
         if dense and tensor.numel() * tensor.element_size() < self.min_offload_bytes:
             return tensor
         device = tensor.device
@@ -601,8 +601,8 @@ class _Session:
 
 def _unpack(packed: _Offloaded | _HostCopy | torch.Tensor) -> torch.Tensor:
     if isinstance(packed, torch.Tensor):
-        return packed
-    return packed.restore()  # pack returned the tensor itself: the save guard checked its version
+        return packed  # pack returned the tensor itself: the save guard checked its version
+    return packed.restore()
 
 
 def _guarded_pair(

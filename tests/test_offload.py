@@ -436,9 +436,9 @@ class TestSaveOnCpu:
             lambda t: t.t(),
             lambda t: t[:, ::2],
             lambda t: t[:1].expand(4, 4),
-            lambda t: t.to(memory_format=torch.channels_last) if t.dim() == 4 else t,
+            lambda t: t[1:3],
         ],
-        ids=["contiguous", "transposed", "strided-slice", "expanded", "channels-last"],
+        ids=["contiguous", "transposed", "strided-slice", "expanded", "offset-view"],
     )
     def test_restored_value_dtype_and_layout(
         self, pin_memory: bool, make: Callable[[torch.Tensor], torch.Tensor]
