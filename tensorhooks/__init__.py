@@ -7,9 +7,11 @@ The public names mirror :mod:`torch.autograd.graph` (same signatures and default
 from ._errors import GraphTaskError as GraphTaskError
 from ._errors import InvalidHookArgumentError as InvalidHookArgumentError
 from ._errors import InvalidHookModeError as InvalidHookModeError
+from ._errors import InvalidOffloadOptionError as InvalidOffloadOptionError
 from ._errors import SavedTensorModifiedError as SavedTensorModifiedError
 from ._errors import TensorHooksError as TensorHooksError
 from ._multigrad import register_multi_grad_hook as register_multi_grad_hook
+from ._offload import save_on_cpu as save_on_cpu
 from ._saved import disable_saved_tensors_hooks as disable_saved_tensors_hooks
 from ._saved import saved_tensors_hooks as saved_tensors_hooks
 from ._store import live_graph_tasks as live_graph_tasks
@@ -20,10 +22,12 @@ __all__ = [
     "GraphTaskError",
     "InvalidHookArgumentError",
     "InvalidHookModeError",
+    "InvalidOffloadOptionError",
     "SavedTensorModifiedError",
     "TensorHooksError",
     "disable_saved_tensors_hooks",
     "live_graph_tasks",
     "register_multi_grad_hook",
+    "save_on_cpu",
     "saved_tensors_hooks",
 ]

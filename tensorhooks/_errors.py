@@ -10,6 +10,7 @@ __all__ = [
     "GraphTaskError",
     "InvalidHookArgumentError",
     "InvalidHookModeError",
+    "InvalidOffloadOptionError",
     "SavedTensorModifiedError",
     "TensorHooksError",
 ]
@@ -34,6 +35,10 @@ class GraphTaskError(TensorHooksError, RuntimeError):
 
 class InvalidHookModeError(TensorHooksError, ValueError):
     """A ``mode`` argument that is not one of the supported modes."""
+
+
+class InvalidOffloadOptionError(TensorHooksError, ValueError):
+    """An offloading option with a value out of range, such as a negative byte threshold."""
 
 
 class InvalidHookArgumentError(TensorHooksError, TypeError):
