@@ -150,7 +150,12 @@ def demo(
     """
     from ._demo import DemoConfig, result_table, run_demo  # noqa: PLC0415  # keeps --help fast
 
-    config = DemoConfig(steps=steps, seed=seed, device=device or _default_device(), **sizes)
+    device = device or _default_device()
+    if device.startswith("cuda"):
+        # Longer sequences on a GPU: activations of several MiB each, as in real training, so
+        # that offloading has something to move (small tensors stay on the device).
+        sizes = {"batch": 32, "seq": 256} | sizes
+    config = DemoConfig(steps=steps, seed=seed, device=device, **sizes)
     console.line(
         f"tensorhooks {tensorhooks.__version__} demo on {config.device} (torch {torch.__version__})"
     )
