@@ -30,7 +30,7 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    session.install(*CONSTRAINTS, "-e", ".[test]")
+    session.install(*CONSTRAINTS, "-e", ".[test,cli]")
     session.run("pytest", *session.posargs, env={"HYPOTHESIS_PROFILE": "ci"})
 
 

@@ -143,7 +143,7 @@ def demo(
         steps: training steps per feature.
         device: torch device; CUDA when available by default.
         seed: random seed of the model and the data.
-        sizes: overrides of :class:`~tensorhooks._demo.DemoConfig` model sizes (for tests).
+        sizes: overrides of `tensorhooks._demo.DemoConfig` model sizes (for tests).
 
     Returns:
         0 when every available feature reproduced plain autograd's gradients, else 1.

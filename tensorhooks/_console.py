@@ -228,7 +228,7 @@ def make_console(stream: TextIO, *, plain: bool = False) -> Console:
         plain: force plain text even when rich is installed.
 
     Returns:
-        A :class:`Console`.
+        A `Console`.
     """
     if not plain:
         try:

@@ -598,7 +598,7 @@ def run_demo(config: DemoConfig, console: Console) -> DemoResult:
         console: where progress goes.
 
     Returns:
-        The measurements, one :class:`FeatureRow` per feature.
+        The measurements, one `FeatureRow` per feature.
     """
     torch.manual_seed(config.seed)
     model = TinyTransformer(config).to(config.device)

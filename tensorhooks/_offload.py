@@ -114,9 +114,9 @@ def _copy_strides(tensor: torch.Tensor) -> tuple[int, ...]:
 class _HostPool:
     """Host buffers (1-D ``uint8``) reused across steps, keyed by their exact byte size.
 
-    A record's buffer comes back through :meth:`release` when the record dies, possibly on
+    A record's buffer comes back through `release` when the record dies, possibly on
     another thread or inside garbage collection, so releasing only appends to a deque; the next
-    :meth:`acquire` files the returned buffers under the lock. The pool never holds more bytes
+    `acquire` files the returned buffers under the lock. The pool never holds more bytes
     (in use plus free) than the most it ever had in use at once: when a size has no free buffer
     it evicts free buffers of other sizes first, so shapes that change from step to step do not
     pile up pinned memory.
@@ -653,7 +653,7 @@ class save_on_cpu(saved_tensors_hooks):
     back to their device (same dtype, layout, shape and, when dense, strides) when backward needs
     them, so that device memory holds fewer activations between forward and backward. Same
     positional signature, defaults and semantics as
-    :class:`torch.autograd.graph.save_on_cpu`, plus:
+    `torch.autograd.graph.save_on_cpu`, plus:
 
     - with ``pin_memory=True`` on a device with streams (CUDA, XPU, ...), copies run on a side
       stream and overlap compute; backward copies the next saved tensors back ahead of use
@@ -824,7 +824,7 @@ class _SimulatedEngine:
     """Plays a device with a side stream, using CPU tensors, for tests on machines without one.
 
     Copies are queued and run as late as a real side stream may run them: when some stream
-    waits on their event (or at :meth:`synchronize`). So a write that the fencing rules fail to
+    waits on their event (or at `synchronize`). So a write that the fencing rules fail to
     order after a copy changes the copied value, and a source released before its copy ran is
     reported as a use after free (``AssertionError``) instead of reading recycled memory.
     ``log`` lists ``(operation, sequence number)`` pairs: ``to_host``, ``to_device``, ``wait``
@@ -902,7 +902,7 @@ class _SimulatedEngine:
         self._run_through(event)
 
     def hand_over(self, tensor: torch.Tensor, stream: _SimStream, event: _SimEvent) -> None:
-        """Like :meth:`wait`, logged as the hand-over of a fetched tensor."""
+        """Like `wait`, logged as the hand-over of a fetched tensor."""
         del tensor, stream
         self.log.append(("hand_over", event.tag))
         self._run_through(event)
@@ -940,7 +940,7 @@ _simulation: _Simulation | None = None
 def _offload_cpu_tensors_for_testing() -> Iterator[_SimulatedEngine]:
     """For tests only: contexts entered inside treat CPU tensors as device tensors.
 
-    With ``pin_memory=True`` they go through a :class:`_SimulatedEngine` (yielded, with its log
+    With ``pin_memory=True`` they go through a `_SimulatedEngine` (yielded, with its log
     and pool); with ``pin_memory=False`` they take the synchronous copy path. Not thread-local:
     every thread's contexts entered meanwhile are affected.
     """
