@@ -7,6 +7,7 @@ The public names mirror :mod:`torch.autograd.graph` (same signatures and default
 from ._errors import GraphTaskError as GraphTaskError
 from ._errors import InvalidHookArgumentError as InvalidHookArgumentError
 from ._errors import InvalidHookModeError as InvalidHookModeError
+from ._errors import InvalidOffloadOptionError as InvalidOffloadOptionError
 from ._errors import MutationContextExitedError as MutationContextExitedError
 from ._errors import SavedTensorModifiedError as SavedTensorModifiedError
 from ._errors import TensorHooksError as TensorHooksError
@@ -14,6 +15,7 @@ from ._errors import UnguardedHooksError as UnguardedHooksError
 from ._multigrad import register_multi_grad_hook as register_multi_grad_hook
 from ._mutation import MutationContext as MutationContext
 from ._mutation import allow_mutation_on_saved_tensors as allow_mutation_on_saved_tensors
+from ._offload import save_on_cpu as save_on_cpu
 from ._saved import disable_saved_tensors_hooks as disable_saved_tensors_hooks
 from ._saved import saved_tensors_hooks as saved_tensors_hooks
 from ._store import live_graph_tasks as live_graph_tasks
@@ -24,6 +26,7 @@ __all__ = [
     "GraphTaskError",
     "InvalidHookArgumentError",
     "InvalidHookModeError",
+    "InvalidOffloadOptionError",
     "MutationContext",
     "MutationContextExitedError",
     "SavedTensorModifiedError",
@@ -33,5 +36,6 @@ __all__ = [
     "disable_saved_tensors_hooks",
     "live_graph_tasks",
     "register_multi_grad_hook",
+    "save_on_cpu",
     "saved_tensors_hooks",
 ]

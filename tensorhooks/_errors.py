@@ -10,6 +10,7 @@ __all__ = [
     "GraphTaskError",
     "InvalidHookArgumentError",
     "InvalidHookModeError",
+    "InvalidOffloadOptionError",
     "MutationContextExitedError",
     "SavedTensorModifiedError",
     "TensorHooksError",
@@ -36,6 +37,10 @@ class GraphTaskError(TensorHooksError, RuntimeError):
 
 class InvalidHookModeError(TensorHooksError, ValueError):
     """A ``mode`` argument that is not one of the supported modes."""
+
+
+class InvalidOffloadOptionError(TensorHooksError, ValueError):
+    """An offloading option with a value out of range, such as a negative byte threshold."""
 
 
 class InvalidHookArgumentError(TensorHooksError, TypeError):

@@ -209,7 +209,7 @@ def register_multi_grad_hook(
     In mode ``"any"``, ``fn(grad)`` is called once per backward call, with the first gradient
     computed for any of ``tensors``.
 
-    Same semantics as :func:`torch.autograd.graph.register_multi_grad_hook`, and also: no state
+    Same semantics as `torch.autograd.graph.register_multi_grad_hook`, and also: no state
     is kept after any backward call, successful or not; the counting is exact when many threads
     run backward at once; ``torch.autograd.grad`` with leaf ``inputs`` works; a tensor listed
     twice gets its gradient in both positions; tensors that do not require grad are accepted in

@@ -73,6 +73,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._errors import MutationContextExitedError, UnguardedHooksError
+from ._offload import _HostCopy, _Offloaded
 from ._saved import PackHook, UnpackHook, VersionGuard, use_save_guard
 
 __all__ = ["MutationContext", "allow_mutation_on_saved_tensors"]
@@ -239,7 +240,7 @@ def _geometry(tensor: torch.Tensor) -> object:
 class MutationContext:
     """The state of one ``allow_mutation_on_saved_tensors`` context, yielded by it.
 
-    Useful for inspection and tests: :meth:`num_saved` and :meth:`num_cloned` count the live
+    Useful for inspection and tests: `num_saved` and `num_cloned` count the live
     saved tensors this context tracks and how many of them hold a clone. The state is cleared
     when the context exits; a graph recorded inside it can no longer be backpropagated then.
     """
@@ -389,8 +390,15 @@ class _GuardedSave:
         self.packed = packed
 
 
+# What tensorhooks' save_on_cpu packs a copied tensor into: a host copy, with no reference to the
+# saved tensor once pack returns (under this context's guard every copy is fenced as it is made).
+_COPY_RECORD_TYPES = (_HostCopy, _Offloaded)
+
+
 def _is_copy(packed: object, tensor: torch.Tensor) -> bool:
     """Whether ``packed`` provably holds nothing that shares ``tensor``'s storage."""
+    if type(packed) in _COPY_RECORD_TYPES:
+        return True
     if isinstance(packed, torch.Tensor):
         if packed is tensor or type(packed) not in _PLAIN_TENSOR_TYPES:
             return False  # a tensor subclass may wrap the saved tensor without sharing storage
@@ -625,10 +633,10 @@ def allow_mutation_on_saved_tensors() -> Generator[MutationContext, None, None]:
     tensors that are both saved and written are cloned; a clone lives as long as the part of
     the graph that needs it.
 
-    Same semantics as :func:`torch.autograd.graph.allow_mutation_on_saved_tensors`, plus: a
+    Same semantics as `torch.autograd.graph.allow_mutation_on_saved_tensors`, plus: a
     write through any alias of a saved tensor (a view, its base, an overlapping slice, an
     ``out=`` argument, a foreach list) is caught, hooks pushed inside with tensorhooks'
-    :class:`saved_tensors_hooks` keep the protection, contexts nest, and contexts on different
+    `saved_tensors_hooks` keep the protection, contexts nest, and contexts on different
     threads are independent. It also costs far less per operation.
 
     Example:
@@ -644,7 +652,7 @@ def allow_mutation_on_saved_tensors() -> Generator[MutationContext, None, None]:
                 [2., 2., 2.]])
 
     Returns:
-        A context manager that yields a :class:`MutationContext`, whose state (saved tensors
+        A context manager that yields a `MutationContext`, whose state (saved tensors
         and clones) is cleared when the context exits.
 
     Raises:

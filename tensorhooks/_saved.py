@@ -54,7 +54,7 @@ class SaveGuard(Protocol):
     """Turns a user's pack/unpack pair into the pair that is actually pushed to autograd.
 
     A guard decides what happens when a tensor whose packed form still shares its storage is
-    changed in place before backward: raise (:class:`VersionGuard`) or hand back the save-time
+    changed in place before backward: raise (`VersionGuard`) or hand back the save-time
     value (the guard of ``allow_mutation_on_saved_tensors``).
     """
 
@@ -161,7 +161,7 @@ class saved_tensors_hooks:
     stores what it returns. When backward needs the tensor, ``unpack_hook`` gets that object back
     and must return a tensor with the same content as the one given to ``pack_hook``.
 
-    Same semantics as :class:`torch.autograd.graph.saved_tensors_hooks`, plus one safety net: if
+    Same semantics as `torch.autograd.graph.saved_tensors_hooks`, plus one safety net: if
     ``pack_hook`` returns the tensor it was given, or anything sharing its storage, and that
     tensor is then changed in place before backward, unpacking raises autograd's own in-place
     error instead of handing back the changed data.

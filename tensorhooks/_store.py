@@ -60,7 +60,7 @@ class GraphTaskState:
 
     ``slots`` maps a key chosen by each feature (usually an object private to one hook) to that
     feature's state. ``lock`` (reentrant, so a factory passed to
-    :meth:`get` may call :meth:`on_end`) guards compound updates made by hooks that may run
+    `get` may call `on_end`) guards compound updates made by hooks that may run
     concurrently on the engine's device threads.
     """
 

@@ -443,6 +443,34 @@ class TestAllowMutationOnSavedTensors:
             assert watched() is None
             assert ctx.num_saved() == 0
 
+    @pytest.mark.parametrize("pin_memory", [False, True])
+    def test_save_on_cpu_inside_keeps_offloading_and_protection(self, pin_memory: bool) -> None:
+        """save_on_cpu inside: host copies untracked (device memory freed), kept tensors cloned."""
+        from tensorhooks._offload import _offload_cpu_tensors_for_testing
+
+        expected = 2 * leaf_4x6()
+        with _offload_cpu_tensors_for_testing() as sim:  # CPU tensors offloaded as device ones
+            a = leaf_4x6().requires_grad_()
+            with tensorhooks.allow_mutation_on_saved_tensors() as ctx:
+                b = a * 1
+                with tensorhooks.save_on_cpu(pin_memory=pin_memory, min_offload_bytes=0):
+                    out = (b**2).sum()
+                assert ctx.num_saved() == 0
+                b.mul_(2.0)
+                out.backward()
+            torch.testing.assert_close(a.grad, expected)
+            assert sim.live_sources() == 0
+        a = leaf_4x6().requires_grad_()
+        with tensorhooks.allow_mutation_on_saved_tensors() as ctx:
+            b = a * 1
+            with tensorhooks.save_on_cpu(pin_memory=pin_memory):
+                out = (b**2).sum()  # a CPU tensor: save_on_cpu keeps it as it is
+            assert ctx.num_saved() == 1
+            b.mul_(2.0)
+            assert ctx.num_cloned() == 1
+            out.backward()
+        torch.testing.assert_close(a.grad, expected)
+
     def test_torch_is_wrong_with_hooks_pushed_inside(self) -> None:
         """Case 7: torch's tracker is replaced by inner hooks and the gradient is wrong."""
 
