@@ -61,5 +61,11 @@ def test_gpu_blocks_are_recognised() -> None:
 
 def test_every_page_has_examples_found() -> None:
     """The block pattern finds the API pages' examples (a guard against a broken pattern)."""
-    for name in ("saved_tensors_hooks", "disable_saved_tensors_hooks", "register_multi_grad_hook"):
+    for name in (
+        "saved_tensors_hooks",
+        "disable_saved_tensors_hooks",
+        "register_multi_grad_hook",
+        "save_on_cpu",
+        "allow_mutation_on_saved_tensors",
+    ):
         assert len(python_blocks(ROOT / "docs" / f"{name}.md")) >= 3, name

@@ -20,14 +20,14 @@ PACKS: dict[str, Callable[[torch.Tensor], Any]] = {
     "detach": lambda t: t.detach(),
     "tuple": lambda t: (t.device, t.detach()),
     "clone": lambda t: t.detach().clone(),
-    "bf16_roundtrip_free": lambda t: t.detach().to(torch.float64, copy=True),
+    "copy": lambda t: t.detach().to(torch.float64, copy=True),
 }
 UNPACKS: dict[str, Callable[[Any], torch.Tensor]] = {
     "as_is": lambda p: p,
     "detach": lambda p: p,
     "tuple": lambda p: p[1],
     "clone": lambda p: p,
-    "bf16_roundtrip_free": lambda p: p,
+    "copy": lambda p: p,
 }
 
 
@@ -65,7 +65,15 @@ class TestSavedTensorsHooks:
         """Hooks that hand back the saved value give exactly plain autograd's gradients."""
         expected = leaf_grads(program)
         got = leaf_grads(program, tensorhooks.saved_tensors_hooks(PACKS[pack], UNPACKS[pack]))
-        assert_same_grads(expected, got)
+        if pack in ("clone", "copy"):
+            # A copy of a non-dense view (an expand) is contiguous, so backward kernels may sum
+            # in another order: equal up to rounding, not bitwise.
+            assert [g is None for g in expected] == [g is None for g in got]
+            for want, have in zip(expected, got, strict=True):
+                if want is not None:
+                    assert torch.allclose(want, have, rtol=1e-12, atol=1e-12)
+        else:
+            assert_same_grads(expected, got)
 
     @given(program=programs())
     def test_same_hook_calls_as_torch(self, program: Program) -> None:
