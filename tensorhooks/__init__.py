@@ -4,10 +4,13 @@ The public names mirror :mod:`torch.autograd.graph` (same signatures and default
 ``import tensorhooks as graph`` works in code written for torch.
 """
 
+from . import distributed as distributed
+from ._errors import GradientSyncError as GradientSyncError
 from ._errors import GraphTaskError as GraphTaskError
 from ._errors import InvalidHookArgumentError as InvalidHookArgumentError
 from ._errors import InvalidHookModeError as InvalidHookModeError
 from ._errors import InvalidOffloadOptionError as InvalidOffloadOptionError
+from ._errors import InvalidSyncArgumentError as InvalidSyncArgumentError
 from ._errors import SavedTensorModifiedError as SavedTensorModifiedError
 from ._errors import TensorHooksError as TensorHooksError
 from ._multigrad import register_multi_grad_hook as register_multi_grad_hook
@@ -19,13 +22,16 @@ from ._store import live_graph_tasks as live_graph_tasks
 __version__ = "0.1.0"
 
 __all__ = [
+    "GradientSyncError",
     "GraphTaskError",
     "InvalidHookArgumentError",
     "InvalidHookModeError",
     "InvalidOffloadOptionError",
+    "InvalidSyncArgumentError",
     "SavedTensorModifiedError",
     "TensorHooksError",
     "disable_saved_tensors_hooks",
+    "distributed",
     "live_graph_tasks",
     "register_multi_grad_hook",
     "save_on_cpu",
