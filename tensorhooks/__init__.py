@@ -1,13 +1,16 @@
 """tensorhooks: faster, safer saved-tensor hooks and multi-grad hooks for PyTorch autograd.
 
-The public names mirror :mod:`torch.autograd.graph` (same signatures and defaults), so
+The public names mirror `torch.autograd.graph` (same signatures and defaults), so
 ``import tensorhooks as graph`` works in code written for torch.
 """
 
+from . import distributed as distributed
+from ._errors import GradientSyncError as GradientSyncError
 from ._errors import GraphTaskError as GraphTaskError
 from ._errors import InvalidHookArgumentError as InvalidHookArgumentError
 from ._errors import InvalidHookModeError as InvalidHookModeError
 from ._errors import InvalidOffloadOptionError as InvalidOffloadOptionError
+from ._errors import InvalidSyncArgumentError as InvalidSyncArgumentError
 from ._errors import MutationContextExitedError as MutationContextExitedError
 from ._errors import SavedTensorModifiedError as SavedTensorModifiedError
 from ._errors import TensorHooksError as TensorHooksError
@@ -23,10 +26,12 @@ from ._store import live_graph_tasks as live_graph_tasks
 __version__ = "0.1.0"
 
 __all__ = [
+    "GradientSyncError",
     "GraphTaskError",
     "InvalidHookArgumentError",
     "InvalidHookModeError",
     "InvalidOffloadOptionError",
+    "InvalidSyncArgumentError",
     "MutationContext",
     "MutationContextExitedError",
     "SavedTensorModifiedError",
@@ -34,6 +39,7 @@ __all__ = [
     "UnguardedHooksError",
     "allow_mutation_on_saved_tensors",
     "disable_saved_tensors_hooks",
+    "distributed",
     "live_graph_tasks",
     "register_multi_grad_hook",
     "save_on_cpu",

@@ -1,4 +1,4 @@
-"""``python -m tensorhooks demo|bench``: see :mod:`tensorhooks._cli`."""
+"""``python -m tensorhooks demo|bench``: see `tensorhooks._cli`."""
 
 from __future__ import annotations
 

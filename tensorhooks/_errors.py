@@ -7,10 +7,12 @@ against ``torch.autograd.graph`` (``except RuntimeError:``) keeps working unchan
 from __future__ import annotations
 
 __all__ = [
+    "GradientSyncError",
     "GraphTaskError",
     "InvalidHookArgumentError",
     "InvalidHookModeError",
     "InvalidOffloadOptionError",
+    "InvalidSyncArgumentError",
     "MutationContextExitedError",
     "SavedTensorModifiedError",
     "TensorHooksError",
@@ -31,6 +33,10 @@ class SavedTensorModifiedError(TensorHooksError, RuntimeError):
     """
 
 
+class GradientSyncError(TensorHooksError, RuntimeError):
+    """Gradients could not be synchronised across processes during a backward call."""
+
+
 class GraphTaskError(TensorHooksError, RuntimeError):
     """Per-backward state was used outside a backward call, or after its graph task ended."""
 
@@ -45,6 +51,13 @@ class InvalidOffloadOptionError(TensorHooksError, ValueError):
 
 class InvalidHookArgumentError(TensorHooksError, TypeError):
     """An argument of the wrong type, such as a non-tensor where tensors are expected."""
+
+
+class InvalidSyncArgumentError(TensorHooksError, ValueError):
+    """A value `tensorhooks.distributed.sync_gradients` cannot work with.
+
+    Inherits `ValueError`, like torch's errors for an uninitialised process group.
+    """
 
 
 class MutationContextExitedError(TensorHooksError, RuntimeError):

@@ -470,3 +470,27 @@ def mutation_programs(draw: st.DrawFn, *, max_steps: int = 8) -> MutationProgram
                 )
             )
     return MutationProgram(tuple(steps), draw(st.integers(0, 2**16)))
+
+
+# --- tensorhooks.distributed --------------------------------------------------------------------
+#
+# Parameter sets for bucket assignment: a few tensors of random sizes and dtypes, some frozen.
+
+DISTRIBUTED_DTYPES = (torch.float32, torch.float64, torch.float16)
+
+
+@st.composite
+def distributed_params(draw: st.DrawFn) -> list[torch.nn.Parameter]:
+    """Between 1 and 12 parameters of 1 to 600 elements, of mixed dtypes, some frozen."""
+    params = []
+    for _ in range(draw(st.integers(1, 12))):
+        numel = draw(st.integers(1, 600))
+        dtype = draw(st.sampled_from(DISTRIBUTED_DTYPES))
+        requires_grad = draw(st.booleans() | st.just(True))
+        params.append(torch.nn.Parameter(torch.zeros(numel, dtype=dtype), requires_grad))
+    return params
+
+
+def bucket_cap_bytes() -> st.SearchStrategy[int]:
+    """Bucket caps from one byte to a little over a tensor of 600 float64 elements."""
+    return st.integers(1, 6000)

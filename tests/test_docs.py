@@ -67,5 +67,6 @@ def test_every_page_has_examples_found() -> None:
         "register_multi_grad_hook",
         "save_on_cpu",
         "allow_mutation_on_saved_tensors",
+        "distributed",
     ):
         assert len(python_blocks(ROOT / "docs" / f"{name}.md")) >= 3, name

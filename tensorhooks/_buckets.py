@@ -1,0 +1,189 @@
+"""Gradient buckets: which parameters are averaged together, and their flat buffers.
+
+A bucket is a group of parameters of one dtype and device whose gradients travel in one
+``all_reduce``. Each bucket owns one flat buffer, allocated once and reused by every step: the
+scaled gradients first, then one flag per parameter (1 where this process computed the
+parameter's gradient in the step, 0 where it did not), so that after the all-reduce a flag of 0
+means the parameter was unused on every process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.autograd.graph import Node
+
+from ._errors import GradientSyncError
+from ._multigrad import _grad_node
+
+__all__ = ["MIB", "Bucket", "assign_buckets"]
+
+MIB = 1024 * 1024
+"""Bytes in a mebibyte: ``bucket_cap_mb`` counts MiB, as DistributedDataParallel does."""
+
+
+def assign_buckets(
+    params: Sequence[torch.Tensor], cap_bytes: int, first_cap_bytes: int
+) -> list[list[int]]:
+    """Group parameters into buckets, in the order their gradients are expected to be ready.
+
+    Parameters are taken in reverse order (backward reaches the last layers first) and grouped
+    by ``(dtype, device)``. A bucket is closed before a parameter would take it past
+    ``cap_bytes``; a parameter larger than that gets a bucket of its own. The first bucket of
+    each group is also closed as soon as it holds ``first_cap_bytes``, so that the first
+    all-reduce starts right after the last layer's gradients, as in DistributedDataParallel's
+    buckets once it has seen one backward (its first bucket is closed at 1 MiB or more).
+
+    Args:
+        params: the parameters, in registration order.
+        cap_bytes: the largest size of a bucket, in bytes.
+        first_cap_bytes: the size at which the first bucket of each ``(dtype, device)`` is
+            closed.
+
+    Returns:
+        Buckets as lists of indices into ``params``, each in reverse registration order, the
+        buckets ordered by their first index in reverse registration order.
+    """
+    open_buckets: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
+    closed_count: dict[tuple[torch.dtype, torch.device], int] = {}
+    buckets: list[list[int]] = []
+    for index in reversed(range(len(params))):
+        param = params[index]
+        key = (param.dtype, param.device)
+        size = param.numel() * param.element_size()
+        first = closed_count.get(key, 0) == 0
+        members, used = open_buckets.get(key, ([], 0))
+        if members and (used + size > cap_bytes or (first and used >= first_cap_bytes)):
+            buckets.append(members)
+            closed_count[key] = closed_count.get(key, 0) + 1
+            members, used = [], 0
+        members.append(index)
+        open_buckets[key] = (members, used + size)
+    buckets.extend(members for members, _ in open_buckets.values())
+    # Reverse registration order is descending index: the bucket holding the highest index of
+    # those not yet placed is the one whose gradients are expected first.
+    buckets.sort(key=lambda members: -members[0])
+    return buckets
+
+
+class Bucket:
+    """The parameters of one bucket and the flat buffer their gradients are averaged in.
+
+    ``views[i]`` is the part of ``flat`` that holds ``params[i]``'s gradient, shaped like the
+    parameter; ``flags`` is the tail of ``flat`` holding one used-flag per parameter.
+    """
+
+    __slots__ = ("accumulators", "flags", "flat", "params", "position_of_node", "views")
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.params = tuple(params)
+        # The accumulator nodes are kept alive here: autograd caches them weakly, and the
+        # identity of the node running a hook is how fill() tells which gradient is not yet
+        # accumulated into .grad (see NOTE [What a bucket averages] in distributed.py).
+        self.accumulators: tuple[Node, ...] = tuple(map(_grad_node, self.params))
+        self.position_of_node = {id(node): i for i, node in enumerate(self.accumulators)}
+        sizes = [param.numel() for param in self.params]
+        total = sum(sizes)
+        first = self.params[0]
+        self.flat = torch.zeros(total + len(sizes), dtype=first.dtype, device=first.device)
+        views: list[torch.Tensor] = []
+        offset = 0
+        for param, size in zip(self.params, sizes, strict=True):
+            views.append(self.flat[offset : offset + size].view(param.shape))
+            offset += size
+        self.views = tuple(views)
+        self.flags = self.flat[total:]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of gradient the bucket holds (its flags not counted)."""
+        return sum(view.numel() for view in self.views) * self.flat.element_size()
+
+    def fill(
+        self, grads: Sequence[torch.Tensor | None], current: Node | None, scale: float
+    ) -> bool:
+        """Write ``scale`` times each parameter's gradient after this step into the buffer.
+
+        Args:
+            grads: the gradients the bucket's multi-grad hook received, ``None`` where this
+                process computed none in the step.
+            current: the autograd node running the hook that completed the bucket, if any: the
+                one parameter whose gradient is not yet accumulated into ``.grad``.
+            scale: the factor applied to every gradient (one over the world size).
+
+        Returns:
+            Whether some parameter got no gradient on this process in this step.
+
+        Raises:
+            GradientSyncError: if a gradient is not a dense (strided) tensor.
+        """
+        current_position = None if current is None else self.position_of_node.get(id(current))
+        idle: list[int] = []
+        for position, (param, view, grad) in enumerate(
+            zip(self.params, self.views, grads, strict=True)
+        ):
+            held = param.grad
+            _check_dense(param, held)
+            if grad is None:
+                idle.append(position)
+                _write_scaled(view, held, scale)
+                continue
+            _check_dense(param, grad)
+            if position == current_position and held is not None:
+                # The engine has not accumulated this gradient yet: add it as it will.
+                torch.add(held, grad, out=view)
+                if scale != 1.0:
+                    view.mul_(scale)
+            elif position == current_position or held is None:
+                _write_scaled(view, grad, scale)
+            else:
+                _write_scaled(view, held, scale)
+        self.flags.fill_(1)
+        for position in idle:
+            self.flags[position] = 0
+        return bool(idle)
+
+    def fill_idle(self, scale: float) -> None:
+        """Write the buffer for a step in which this process computed none of its gradients."""
+        self.flags.zero_()
+        for param, view in zip(self.params, self.views, strict=True):
+            _write_scaled(view, param.grad, scale)
+
+    def write_back(self, idle: bool) -> None:
+        """Copy the averaged gradients from the buffer into each parameter's ``.grad``.
+
+        Args:
+            idle: whether some parameter got no gradient on this process; only then are the
+                flags read, and a parameter that no process computed a gradient for is left
+                untouched.
+        """
+        used: Sequence[float] = self.flags.tolist() if idle else ()
+        for position, (param, view) in enumerate(zip(self.params, self.views, strict=True)):
+            if idle and used[position] == 0:
+                continue
+            held = param.grad
+            if held is None:
+                param.grad = torch.empty_like(param, memory_format=torch.preserve_format)
+                param.grad.copy_(view)
+            else:
+                held.copy_(view)
+
+
+def _write_scaled(out: torch.Tensor, grad: torch.Tensor | None, scale: float) -> None:
+    if grad is None:
+        out.zero_()
+    elif scale == 1.0:
+        out.copy_(grad)
+    else:
+        # One pass, as DistributedDataParallel's reducer divides while copying into its bucket.
+        torch.mul(grad, scale, out=out)
+
+
+def _check_dense(param: torch.Tensor, grad: torch.Tensor | None) -> None:
+    if grad is not None and grad.layout != torch.strided:
+        raise GradientSyncError(
+            f"sync_gradients: a parameter of shape {tuple(param.shape)} got a gradient with "
+            f"layout {grad.layout}; only dense (torch.strided) gradients can be averaged; "
+            "create sparse modules (nn.Embedding(sparse=True)) with sparse=False"
+        )

@@ -1,0 +1,459 @@
+"""Gradient averaging across processes, started from multi-grad hooks while backward runs.
+
+`sync_gradients` does what the reducer of
+`torch.nn.parallel.DistributedDataParallel` does, without wrapping the module: the
+parameters are grouped into buckets, one ``"all"`` multi-grad hook per bucket starts an
+asynchronous ``all_reduce`` on `torch.distributed` as soon as the bucket's gradients are
+complete, and at the end of backward every ``.grad`` holds the average across processes.
+
+# NOTE [What a bucket averages]
+#
+# DistributedDataParallel averages ``p.grad`` *after* autograd accumulated this backward's
+# gradient into it, so that gradients accumulated locally under ``no_sync()`` are averaged by the
+# next synchronised backward. A tensor hook on a leaf runs *before* that accumulation (checked on
+# torch 2.13: the hook sees the old ``.grad``), and the bucket's hook is called from the tensor
+# hook of the last of its parameters to get a gradient. At that moment:
+#   * every other parameter of the bucket that got a gradient has been accumulated already: its
+#     accumulator ran to the end before the engine went on (the nodes of one device run one at a
+#     time on one thread, and a bucket holds one device), so ``p.grad`` is the value to average;
+#   * the parameter whose hook is running is the one the engine is executing
+#     (``torch._C._current_autograd_node()`` is its accumulator): its value is the old ``.grad``
+#     plus the hook's gradient, added the way the engine is about to add them;
+#   * a parameter that gets no gradient in this backward keeps its ``.grad`` (or zeros).
+# When the bucket's hook is called at the end of the task instead (multi-grad's late flush), no
+# node is executing and every parameter is accumulated. The buffer is written as ``grad * (1/W)``
+# in one pass and summed across processes, as DDP's reducer does, so float64 results agree to the
+# last bits.
+#
+# Unused parameters: each buffer ends with one flag per parameter, 1 where this process computed
+# its gradient. After the sum a flag of 0 means no process did, and that ``.grad`` is left as it
+# was: the result DDP gives with ``find_unused_parameters=True``, at the cost of a few elements
+# per bucket rather than a separate collective. The flags are only read back (a device sync on
+# GPU) when this process had an unused parameter in the bucket; otherwise all are in use.
+#
+# Launch order: ranks must issue collectives in the same order, but buckets can complete in
+# different orders on different ranks. Bucket i is launched only once buckets 0..i-1 are, and a
+# bucket completed early waits in ``_SyncStep.ready``. When the first bucket of a backward
+# completes, buckets none of whose parameters will run in this graph task are marked ready at
+# once, so an unused first bucket does not hold back every later one. Buckets still not ready at
+# the end of the task (never fired) are filled from ``.grad`` and launched before waiting.
+#
+# Failure: a backward that raises never runs the end-of-task callback. What it launched stays
+# with the handle (``_active``); the next synchronised backward, or ``remove()``, sees that the
+# graph task is gone from the store, waits for those works (every rank that failed the same way
+# launched the same ones), and only then writes into the buffers again.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.autograd.graph import Node
+
+from ._buckets import MIB, Bucket, assign_buckets
+from ._errors import GradientSyncError, InvalidHookArgumentError, InvalidSyncArgumentError
+from ._multigrad import register_multi_grad_hook
+from ._store import GraphTaskState, graph_task_store
+
+__all__ = ["GradientSyncHandle", "sync_gradients"]
+
+_current_autograd_node: Callable[[], Node | None] = torch._C._current_autograd_node
+_will_engine_execute_node: Callable[[Node], bool] = torch._C._will_engine_execute_node
+
+_FIRST_BUCKET_BYTES = MIB
+"""The first bucket is closed once it holds this much, so the first all-reduce starts early."""
+
+# Parameters synchronised by a live handle, by id, with a weak reference to tell a reused id.
+_synced: dict[int, weakref.ref[torch.Tensor]] = {}
+_synced_lock = threading.Lock()
+
+
+class _SyncStep:
+    """What one synchronised backward call has done so far."""
+
+    __slots__ = ("idle", "lock", "next", "ready", "sync", "task_id", "works")
+
+    def __init__(self, task_id: int, buckets: int, sync: bool) -> None:
+        self.task_id = task_id
+        self.sync = sync
+        self.lock = threading.Lock()  # buckets of several devices complete on several threads
+        self.ready = [False] * buckets
+        self.idle = [False] * buckets
+        self.next = 0
+        self.works: list[Any] = []  # torch.distributed Work objects, in launch order
+
+
+class GradientSyncHandle:
+    """Averages gradients across processes at every backward; returned by `sync_gradients`.
+
+    Attributes:
+        process_group: the process group the gradients are averaged over.
+        world_size: the number of processes in it.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        process_group: dist.ProcessGroup,
+        bucket_cap_bytes: int,
+    ) -> None:
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self._scale = 1.0 / self.world_size
+        groups = assign_buckets(params, bucket_cap_bytes, _FIRST_BUCKET_BYTES)
+        self._buckets = tuple(Bucket([params[i] for i in group]) for group in groups)
+        self._key = object()
+        self._lock = threading.Lock()
+        self._no_sync_depth = 0
+        self._active: _SyncStep | None = None
+        self._params = tuple(params)
+        self._hooks = [
+            register_multi_grad_hook(bucket.params, self._bucket_hook(index), mode="all")
+            for index, bucket in enumerate(self._buckets)
+        ]
+
+    @property
+    def buckets(self) -> tuple[tuple[torch.Tensor, ...], ...]:
+        """The parameters of each bucket, in launch order (reverse registration order)."""
+        return tuple(bucket.params for bucket in self._buckets)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip communication: gradients of backward calls in the block accumulate locally.
+
+        The first synchronised backward after the block averages the accumulated ``.grad``
+        across processes, as DistributedDataParallel's ``no_sync`` does. Whether a backward
+        call synchronises is decided when its first bucket completes.
+
+        Example:
+            >>> import torch, torch.distributed as dist, tempfile, os
+            >>> from tensorhooks.distributed import sync_gradients
+            >>> store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+            >>> dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+            >>> model = torch.nn.Linear(2, 1)
+            >>> handle = sync_gradients(model)
+            >>> with handle.no_sync():
+            ...     model(torch.ones(1, 2)).sum().backward()   # local only
+            >>> model(torch.ones(1, 2)).sum().backward()       # averages both steps' sum
+            >>> model.bias.grad
+            tensor([2.])
+            >>> handle.remove()
+            >>> dist.destroy_process_group()
+
+        Nesting and threads: blocks nest (a counter, restored on exceptions), and the setting
+        belongs to the handle, not to the thread that entered the block: autograd runs hooks on
+        its own device threads, which a thread-local flag would not reach. A backward call whose
+        first bucket completes while some thread is inside a ``no_sync`` block of this handle
+        skips communication; one that already started synchronising finishes. Each process must
+        make the same choice for the same step, as with DistributedDataParallel.
+        """
+        with self._lock:
+            self._no_sync_depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._no_sync_depth -= 1
+
+    def remove(self) -> None:
+        """Stop synchronising: remove every hook. Calling it again does nothing.
+
+        Raises:
+            GradientSyncError: if called while a backward call is synchronising these
+                parameters.
+        """
+        with self._lock:
+            self._finish_abandoned()
+            hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook.remove()
+        if hooks:
+            _release(self._params)
+
+    def _bucket_hook(self, index: int) -> Callable[[Sequence[torch.Tensor | None]], None]:
+        def on_bucket_complete(grads: Sequence[torch.Tensor | None]) -> None:
+            self._on_bucket_complete(index, grads)
+
+        return on_bucket_complete
+
+    def _on_bucket_complete(self, index: int, grads: Sequence[torch.Tensor | None]) -> None:
+        task = graph_task_store.current()
+        step: _SyncStep | None = task.slots.get(self._key)
+        if step is None:
+            step = task.get(self._key, lambda: self._open_step(task, index, grads))
+        if not step.sync:
+            return
+        bucket = self._buckets[index]
+        with step.lock:
+            if step.ready[index]:
+                raise GradientSyncError(
+                    f"sync_gradients: bucket {index} completed twice in one backward call "
+                    f"(graph task {task.task_id}); this is a bug in tensorhooks, please report it"
+                )
+        with torch.no_grad():
+            idle = bucket.fill(grads, _current_autograd_node(), self._scale)
+        with step.lock:
+            step.ready[index] = True
+            step.idle[index] = idle
+            self._launch_ready(step)
+
+    def _open_step(
+        self, task: GraphTaskState, index: int, grads: Sequence[torch.Tensor | None]
+    ) -> _SyncStep:
+        """Start the per-backward state at the first bucket to complete (under ``task.lock``)."""
+        sync = self._no_sync_depth == 0 and not _captured(self._buckets[index], grads)
+        step = _SyncStep(task.task_id, len(self._buckets), sync)
+        if not sync:
+            return step
+        with self._lock:
+            self._finish_abandoned()
+            self._active = step
+        # The callback must not hold the task: the task holds its callbacks, and a cycle would
+        # keep this backward's state (buffered gradients included) alive until the next GC.
+        task.on_end(functools.partial(self._end_step, step), order=1)
+        with torch.no_grad():
+            for other, bucket in enumerate(self._buckets):
+                if other != index and not any(map(_may_run, bucket.accumulators)):
+                    bucket.fill_idle(self._scale)
+                    step.ready[other] = step.idle[other] = True
+        return step
+
+    def _launch_ready(self, step: _SyncStep) -> None:
+        """Launch, in bucket order, every bucket whose predecessors are all launched."""
+        while step.next < len(self._buckets) and step.ready[step.next]:
+            flat = self._buckets[step.next].flat
+            step.works.append(dist.all_reduce(flat, group=self.process_group, async_op=True))
+            step.next += 1
+
+    def _end_step(self, step: _SyncStep) -> None:
+        """At the end of a synchronised backward: launch what is left, wait, write ``.grad``."""
+        with step.lock, torch.no_grad():
+            for index, bucket in enumerate(self._buckets):
+                if not step.ready[index]:
+                    bucket.fill_idle(self._scale)
+                    step.ready[index] = step.idle[index] = True
+            self._launch_ready(step)
+        _wait_all(step.works)
+        with torch.no_grad():
+            for bucket, idle in zip(self._buckets, step.idle, strict=True):
+                bucket.write_back(idle)
+        with self._lock:
+            if self._active is step:
+                self._active = None
+
+    def _finish_abandoned(self) -> None:
+        """Wait for what a failed backward launched, so the buffers can be reused (under lock)."""
+        step = self._active
+        if step is None:
+            return
+        if step.task_id in graph_task_store.task_ids():
+            raise GradientSyncError(
+                "sync_gradients: these parameters are already being synchronised by backward "
+                f"call (graph task) {step.task_id}; two backward calls cannot synchronise the "
+                "same parameters at once: run them one after the other, or, with "
+                "torch.utils.checkpoint, pass use_reentrant=False"
+            )
+        self._active = None
+        _wait_all(step.works)
+
+
+def _wait_all(works: list[Any]) -> None:
+    # Pop before waiting: a work that failed is reported once, not again at every later step.
+    while works:
+        works.pop(0).wait()
+
+
+def _may_run(node: Node) -> bool:
+    """Whether an accumulator may run in the current graph task (a captured leaf's raises)."""
+    try:
+        return _will_engine_execute_node(node)
+    except RuntimeError:
+        return True
+
+
+def _captured(bucket: Bucket, grads: Sequence[torch.Tensor | None]) -> bool:
+    """Whether the gradients are captured by ``torch.autograd.grad`` rather than accumulated.
+
+    The engine raises when asked about an accumulator that the running task captures (see
+    NOTE [Counting the gradients an "all" hook waits for] in _multigrad.py).
+    """
+    for node, grad in zip(bucket.accumulators, grads, strict=True):
+        if grad is not None:
+            try:
+                _will_engine_execute_node(node)
+            except RuntimeError:
+                return True
+            return False
+    return False
+
+
+def _collect_params(
+    module_or_params: torch.nn.Module | Iterable[torch.Tensor],
+) -> list[torch.Tensor]:
+    if isinstance(module_or_params, torch.nn.Module):
+        candidates: list[Any] = list(module_or_params.parameters())
+    elif isinstance(module_or_params, torch.Tensor):
+        raise InvalidHookArgumentError(
+            "sync_gradients: module_or_params must be a Module or an iterable of tensors, got a "
+            "single Tensor; wrap it in a list: sync_gradients([tensor])"
+        )
+    else:
+        try:
+            candidates = list(module_or_params)
+        except TypeError:
+            raise InvalidHookArgumentError(
+                "sync_gradients: module_or_params must be a Module or an iterable of tensors, "
+                f"got {module_or_params!r} of type {type(module_or_params).__name__}"
+            ) from None
+    params: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for index, param in enumerate(candidates):
+        if not isinstance(param, torch.Tensor):
+            raise InvalidHookArgumentError(
+                f"sync_gradients: parameter {index} is {param!r} of type "
+                f"{type(param).__name__}, not a torch.Tensor; pass a Module or tensors"
+            )
+        if not param.requires_grad or id(param) in seen:
+            continue
+        if not param.is_leaf:
+            raise InvalidSyncArgumentError(
+                f"sync_gradients: parameter {index} (shape {tuple(param.shape)}) is not a leaf "
+                f"tensor (grad_fn={type(param.grad_fn).__name__}); gradients are only "
+                "accumulated into .grad of leaves: pass parameters, not results of operations"
+            )
+        seen.add(id(param))
+        params.append(param)
+    return params
+
+
+def _claim(params: Sequence[torch.Tensor]) -> None:
+    with _synced_lock:
+        for index, param in enumerate(params):
+            ref = _synced.get(id(param))
+            if ref is not None and ref() is param:
+                raise InvalidSyncArgumentError(
+                    f"sync_gradients: parameter {index} (shape {tuple(param.shape)}) is already "
+                    "synchronised by another handle; call .remove() on that handle first, or "
+                    "its gradients would be averaged twice"
+                )
+        for param in params:
+            _synced[id(param)] = weakref.ref(param)
+
+
+def _release(params: Sequence[torch.Tensor]) -> None:
+    with _synced_lock:
+        for param in params:
+            ref = _synced.get(id(param))
+            if ref is not None and ref() is param:
+                del _synced[id(param)]
+
+
+def sync_gradients(
+    module_or_params: torch.nn.Module | Iterable[torch.Tensor],
+    process_group: dist.ProcessGroup | None = None,
+    *,
+    bucket_cap_mb: float = 25.0,
+) -> GradientSyncHandle:
+    """Average the parameters' gradients across processes at every backward, as DDP does.
+
+    Parameters that require grad are grouped into buckets of at most ``bucket_cap_mb`` MiB, in
+    reverse registration order, by dtype and device; the first bucket is closed as soon as it
+    holds 1 MiB, so that communication starts after the last layer's gradients, as in DDP.
+    Each bucket has one multi-grad hook: when all of its gradients of a backward call are
+    computed, they are copied into the bucket's flat buffer and an asynchronous ``all_reduce``
+    starts, while backward goes on computing the rest. When backward ends, every ``.grad``
+    holds the average over the processes of the group of what ``.grad`` would hold without
+    synchronisation: the values `torch.nn.parallel.DistributedDataParallel` gives.
+
+    Parameters that get no gradient in a step on some processes are handled as DDP does with
+    ``find_unused_parameters=True``: they are averaged with zeros from those processes, and a
+    parameter no process computed a gradient for keeps its ``.grad`` unchanged. Calls of
+    ``torch.autograd.grad`` do not touch ``.grad`` and are not synchronised.
+
+    Example:
+        >>> import torch, torch.distributed as dist, tempfile, os
+        >>> from tensorhooks.distributed import sync_gradients
+        >>> store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+        >>> dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        >>> handle = sync_gradients(model, bucket_cap_mb=5e-5)  # 52 bytes
+        >>> [[tuple(p.shape) for p in bucket] for bucket in handle.buckets]
+        [[(1,), (1, 4), (4,)], [(4, 4)]]
+        >>> model(torch.ones(2, 4)).sum().backward()     # each .grad now averaged over ranks
+        >>> model[1].bias.grad
+        tensor([2.])
+        >>> handle.remove()
+        >>> dist.destroy_process_group()
+
+    Args:
+        module_or_params: a module, whose ``parameters()`` are synchronised, or an iterable of
+            leaf tensors. Tensors that do not require grad are skipped.
+        process_group: the group to average over; the default group when ``None``.
+        bucket_cap_mb: the largest bucket, in MiB (a larger parameter gets a bucket of its own).
+
+    Returns:
+        A `GradientSyncHandle`: ``handle.no_sync()`` skips communication for gradient
+        accumulation, ``handle.remove()`` stops synchronising.
+
+    Raises:
+        InvalidHookArgumentError: (a ``TypeError``) if ``module_or_params`` is not a module or
+            an iterable of tensors.
+        InvalidSyncArgumentError: (a ``ValueError``) if ``bucket_cap_mb`` is not positive, no
+            tensor requires grad, a tensor is not a leaf or is already synchronised by another
+            handle, or torch.distributed is not initialised.
+        GradientSyncError: (a ``RuntimeError``, from ``backward()``) if a gradient is sparse, or
+            two backward calls synchronise the same parameters at once.
+
+    Every process must call backward the same number of times on these parameters, as with
+    DistributedDataParallel; the end of backward waits for the other processes.
+    """
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
+        raise InvalidHookArgumentError(
+            f"sync_gradients: bucket_cap_mb must be a number of MiB, got {bucket_cap_mb!r} of "
+            f"type {type(bucket_cap_mb).__name__}"
+        )
+    cap_bytes = int(bucket_cap_mb * MIB)
+    if not cap_bytes > 0:
+        raise InvalidSyncArgumentError(
+            f"sync_gradients: bucket_cap_mb must be positive (at least one byte), got "
+            f"{bucket_cap_mb!r}; the default is 25.0"
+        )
+    if process_group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise InvalidSyncArgumentError(
+                "sync_gradients: torch.distributed has no default process group; call "
+                "torch.distributed.init_process_group(...) first (torchrun sets up its "
+                "environment), or pass process_group"
+            )
+        process_group = dist.group.WORLD
+        assert process_group is not None  # narrowed: initialised above
+    elif not isinstance(process_group, dist.ProcessGroup):
+        raise InvalidHookArgumentError(
+            f"sync_gradients: process_group must be a torch.distributed.ProcessGroup or None, "
+            f"got {process_group!r} of type {type(process_group).__name__}"
+        )
+    world_size = dist.get_world_size(process_group)
+    if world_size < 1:
+        raise InvalidSyncArgumentError(
+            f"sync_gradients: this process (global rank {dist.get_rank()}) is not a member of "
+            f"process_group (world size {world_size}); call sync_gradients only on its ranks"
+        )
+    params = _collect_params(module_or_params)
+    if not params:
+        raise InvalidSyncArgumentError(
+            "sync_gradients: no tensor requires grad, so there is nothing to synchronise; pass "
+            "the module or parameters that are trained"
+        )
+    _claim(params)
+    try:
+        return GradientSyncHandle(params, process_group, cap_bytes)
+    except BaseException:
+        _release(params)
+        raise
