@@ -12,22 +12,13 @@ from pathlib import Path
 
 import torch
 import torch.autograd.graph as torch_graph
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from timing import interleaved_medians, print_table
+from harness import interleaved_medians, mlp, print_table
 
 import tensorhooks
-
-
-def mlp(layers: int) -> nn.Sequential:
-    torch.manual_seed(0)
-    blocks: list[nn.Module] = []
-    for _ in range(layers):
-        blocks += [nn.Linear(64, 64), nn.ReLU()]
-    return nn.Sequential(*blocks)
 
 
 def identity_hooks(rounds: int) -> dict[str, float]:

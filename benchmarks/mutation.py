@@ -2,7 +2,7 @@
 
 Model: 50 x Linear(64, 64) with ReLU between, batch 8, one intra-op thread. Every variant enters
 its context once per step, as a training loop would; variants are interleaved round by round
-(benchmarks/timing.py) and medians compared:
+(benchmarks/harness.py) and medians compared:
 
 - ``plain autograd``: no context (for reference).
 - ``bare mode``: a no-op TorchDispatchMode, ``__torch_dispatch__`` only calling
@@ -30,13 +30,12 @@ from typing import Any
 
 import torch
 import torch.autograd.graph as torch_graph
-from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from timing import interleaved_medians, print_table
+from harness import interleaved_medians, mlp, print_table
 
 import tensorhooks
 
@@ -55,14 +54,6 @@ class BareModeNoDynamoWrapper(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def mlp(layers: int) -> nn.Sequential:
-    torch.manual_seed(0)
-    blocks: list[nn.Module] = []
-    for _ in range(layers):
-        blocks += [nn.Linear(64, 64), nn.ReLU()]
-    return nn.Sequential(*blocks[:-1])
-
-
 CONTEXTS: dict[str, Callable[[], Any] | None] = {
     "plain autograd": None,
     "bare mode": BareMode,
@@ -73,7 +64,7 @@ CONTEXTS: dict[str, Callable[[], Any] | None] = {
 
 
 def scenario(title: str, rounds: int, *, accumulate: bool) -> dict[str, float]:
-    model = mlp(50)
+    model = mlp(50, last_relu=False)
     batch = torch.randn(8, 64)
     params = list(model.parameters())
 

@@ -18,21 +18,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import mlp
+
 import tensorhooks
-
-
-def build(layers: int, width: int) -> torch.nn.Sequential:
-    torch.manual_seed(0)
-    modules: list[torch.nn.Module] = []
-    for _ in range(layers):
-        modules += [torch.nn.Linear(width, width), torch.nn.ReLU()]
-    return torch.nn.Sequential(*modules)
 
 
 def step_fn(
@@ -65,7 +64,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    model = build(args.layers, args.width)
+    model = mlp(args.layers, args.width)
     x = torch.randn(args.batch, args.width)
     identity = tensorhooks.saved_tensors_hooks(lambda t: t, lambda t: t)
     variants: dict[str, Callable[[], AbstractContextManager[object]]] = {

@@ -1,4 +1,6 @@
-"""Interleaved timing: every variant runs once per round, in a rotating order; medians compared.
+"""What the benchmark scripts share: interleaved timing and the MLP most of them time.
+
+Interleaved timing: every variant runs once per round, in a rotating order; medians compared.
 
 Machines that run these benchmarks are noisy, so absolute times mean little. Ratios between
 variants measured in the same process, interleaved round by round, are what the docs report.
@@ -9,6 +11,9 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+
+import torch
+from torch import nn
 
 
 def interleaved_medians(
@@ -38,3 +43,12 @@ def print_table(title: str, medians: dict[str, float], baseline: str) -> None:
     print("|---|---:|---:|")
     for name, seconds in medians.items():
         print(f"| {name} | {seconds * 1e3:.3f} | {seconds / medians[baseline]:.3f} |")
+
+
+def mlp(layers: int, width: int = 64, *, last_relu: bool = True) -> nn.Sequential:
+    """``layers`` x (Linear(width, width), ReLU), seeded; ``last_relu=False`` drops the last."""
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = []
+    for _ in range(layers):
+        blocks += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*(blocks if last_relu else blocks[:-1]))
