@@ -6,6 +6,7 @@ import threading
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -17,8 +18,10 @@ from hypothesis import strategies as st
 import tensorhooks
 
 from .strategies import (
+    Backward,
     BackwardFailedError,
     FailingBackward,
+    Program,
     assert_same_grads,
     backwards,
     hook_sets,
@@ -40,17 +43,40 @@ def fail_midway(x: torch.Tensor) -> torch.Tensor:
     return FailingBackward.apply(x)  # type: ignore[no-any-return, no-untyped-call]
 
 
+@dataclass
+class HookedCase:
+    """A random program, a random group of its values to hook, and a way to run backward."""
+
+    program: Program
+    values: list[torch.Tensor]
+    tensors: list[torch.Tensor]
+    backward: Backward
+
+    @classmethod
+    def draw(cls, data: st.DataObject) -> HookedCase:
+        program = data.draw(programs(may_fail=True))
+        positions = data.draw(hook_sets(program))
+        backward = data.draw(backwards(program))
+        values = program.run(program.leaves())
+        return cls(program, values, [values[i] for i in positions], backward)
+
+    def run_backward(self) -> bool:
+        """Run backward; return whether it failed part-way (on purpose)."""
+        try:
+            self.backward.run(self.program.loss(self.values), self.values)
+        except BackwardFailedError:
+            return True
+        return False
+
+
 class TestAllMode:
     @given(data=st.data())
     def test_fires_once_per_backward_with_exactly_the_grads_plain_hooks_see(
         self, data: st.DataObject
     ) -> None:
         """Per backward: one call if any hook of its tensors fired, holding exactly those grads."""
-        program = data.draw(programs(may_fail=True))
-        positions = data.draw(hook_sets(program))
-        backward = data.draw(backwards(program))
-        values = program.run(program.leaves())
-        tensors = [values[i] for i in positions]
+        case = HookedCase.draw(data)
+        tensors = case.tensors
 
         plain: dict[int, dict[int, torch.Tensor | None]] = defaultdict(dict)
         for tensor in unique(tensors):
@@ -63,11 +89,7 @@ class TestAllMode:
         handle = tensorhooks.register_multi_grad_hook(
             tensors, lambda grads: calls.append((task_id(), list(grads)))
         )
-        failed = False
-        try:
-            backward.run(program.loss(values), values)
-        except BackwardFailedError:
-            failed = True
+        failed = case.run_backward()
         handle.remove()
 
         assert len({task for task, _ in calls}) == len(calls), "fired twice in one backward"
@@ -226,11 +248,8 @@ class TestAnyMode:
     @given(data=st.data())
     def test_fires_once_per_backward_with_the_first_grad(self, data: st.DataObject) -> None:
         """Per backward: one call if any hook of its tensors fired, with the first one's grad."""
-        program = data.draw(programs(may_fail=True))
-        positions = data.draw(hook_sets(program))
-        backward = data.draw(backwards(program))
-        values = program.run(program.leaves())
-        tensors = [values[i] for i in positions]
+        case = HookedCase.draw(data)
+        tensors = case.tensors
 
         first: dict[int, torch.Tensor | None] = {}
         for tensor in unique(tensors):
@@ -239,11 +258,7 @@ class TestAnyMode:
         handle = tensorhooks.register_multi_grad_hook(
             tensors, lambda grad: calls.append((task_id(), grad)), mode="any"
         )
-        failed = False
-        try:
-            backward.run(program.loss(values), values)
-        except BackwardFailedError:
-            failed = True
+        failed = case.run_backward()
         handle.remove()
 
         assert len({task for task, _ in calls}) == len(calls), "fired twice in one backward"
