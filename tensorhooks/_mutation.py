@@ -73,8 +73,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._errors import MutationContextExitedError, UnguardedHooksError
-from ._offload import _HostCopy, _Offloaded
-from ._saved import PackHook, UnpackHook, VersionGuard, use_save_guard
+from ._saved import PackHook, SavedCopy, UnpackHook, VersionGuard, use_save_guard
 
 __all__ = ["MutationContext", "allow_mutation_on_saved_tensors"]
 
@@ -390,15 +389,10 @@ class _GuardedSave:
         self.packed = packed
 
 
-# What tensorhooks' save_on_cpu packs a copied tensor into: a host copy, with no reference to the
-# saved tensor once pack returns (under this context's guard every copy is fenced as it is made).
-_COPY_RECORD_TYPES = (_HostCopy, _Offloaded)
-
-
 def _is_copy(packed: object, tensor: torch.Tensor) -> bool:
     """Whether ``packed`` provably holds nothing that shares ``tensor``'s storage."""
-    if type(packed) in _COPY_RECORD_TYPES:
-        return True
+    if isinstance(packed, SavedCopy):
+        return True  # e.g. save_on_cpu's host copies, fenced at once under this guard
     if isinstance(packed, torch.Tensor):
         if packed is tensor or type(packed) not in _PLAIN_TENSOR_TYPES:
             return False  # a tensor subclass may wrap the saved tensor without sharing storage

@@ -62,6 +62,7 @@ import torch
 from ._errors import InvalidHookArgumentError, InvalidOffloadOptionError, SavedTensorModifiedError
 from ._saved import (
     _ALIASED,
+    SavedCopy,
     VersionGuard,
     _pop_hooks,
     _push_hooks,
@@ -348,7 +349,7 @@ class _Timeline:
         saved[key] = (weakref.ref(tensor, forget), tensor._version, weakref.ref(record))
 
 
-class _HostCopy:
+class _HostCopy(SavedCopy):
     """A saved tensor copied to host memory on the current stream, the way torch does it."""
 
     __slots__ = ("__weakref__", "device", "host", "non_blocking", "uses")
@@ -379,7 +380,7 @@ class _Prefetch:
         self.lock = threading.Lock()
 
 
-class _Offloaded:
+class _Offloaded(SavedCopy):
     """A saved tensor copied to a pooled host buffer on a side stream."""
 
     __slots__ = (

@@ -17,6 +17,10 @@
 # made a real copy nothing is recorded and unpack is called directly. Guards are per thread and
 # replaceable: ``allow_mutation_on_saved_tensors`` installs one that clones before writes instead
 # of raising, so hooks pushed inside it keep its protection.
+#
+# The version guard's record is a plain tuple ``(_ALIASED, packed, source, version)``, the
+# cheapest thing to build per save. ``save_on_cpu`` builds and checks the same record inline on
+# its CPU path (one Python call fewer per save); a change to the record changes both places.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from ._errors import InvalidHookArgumentError, SavedTensorModifiedError
 __all__ = [
     "PackHook",
     "SaveGuard",
+    "SavedCopy",
     "UnpackHook",
     "VersionGuard",
     "current_save_guard",
@@ -48,6 +53,18 @@ UnpackHook = Callable[[Any], torch.Tensor]
 _is_alias_of: Callable[[torch.Tensor, torch.Tensor], bool] = torch._C._is_alias_of  # type: ignore[attr-defined]
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+
+
+class SavedCopy:
+    """Base of packed records that hold a copy of the saved data, never an alias of its storage.
+
+    Save guards need not protect a tensor whose pack returned one of these: changing the tensor
+    in place cannot reach the copy. A record that copies asynchronously must have finished
+    reading the tensor when pack returns under any guard other than `VersionGuard` (such guards
+    let saved tensors change).
+    """
+
+    __slots__ = ()
 
 
 class SaveGuard(Protocol):
