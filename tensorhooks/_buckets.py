@@ -3,8 +3,9 @@
 A bucket is a group of parameters of one dtype and device whose gradients travel in one
 ``all_reduce``. Each bucket owns one flat buffer, allocated once and reused by every step: the
 scaled gradients first, then one flag per parameter (1 where this process computed the
-parameter's gradient in the step, 0 where it did not), so that after the all-reduce a flag of 0
-means the parameter was unused on every process.
+parameter's gradient in the step or in a ``no_sync()`` step since the last synchronised one, 0
+where it did not), so that after the all-reduce a flag of 0 means the parameter was unused on
+every process.
 """
 
 from __future__ import annotations
@@ -72,9 +73,19 @@ class Bucket:
 
     ``views[i]`` is the part of ``flat`` that holds ``params[i]``'s gradient, shaped like the
     parameter; ``flags`` is the tail of ``flat`` holding one used-flag per parameter.
+    ``used_since_sync[i]`` records that ``params[i]`` got a gradient, accumulated into ``.grad``,
+    in a backward that did not synchronise since the last one that did.
     """
 
-    __slots__ = ("accumulators", "flags", "flat", "params", "position_of_node", "views")
+    __slots__ = (
+        "accumulators",
+        "flags",
+        "flat",
+        "params",
+        "position_of_node",
+        "used_since_sync",
+        "views",
+    )
 
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
         self.params = tuple(params)
@@ -94,11 +105,18 @@ class Bucket:
             offset += size
         self.views = tuple(views)
         self.flags = self.flat[total:]
+        self.used_since_sync = [False] * len(self.params)
 
     @property
     def nbytes(self) -> int:
         """The bytes of gradient the bucket holds (its flags not counted)."""
         return sum(view.numel() for view in self.views) * self.flat.element_size()
+
+    def note_used(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """Record the parameters that got a gradient in a backward that does not synchronise."""
+        for position, grad in enumerate(grads):
+            if grad is not None:
+                self.used_since_sync[position] = True
 
     def fill(
         self, grads: Sequence[torch.Tensor | None], current: Node | None, scale: float
@@ -113,20 +131,21 @@ class Bucket:
             scale: the factor applied to every gradient (one over the world size).
 
         Returns:
-            Whether some parameter got no gradient on this process in this step.
+            Whether some parameter got no gradient on this process, neither in this step nor in
+            a ``no_sync()`` step since the last synchronised one.
 
         Raises:
             GradientSyncError: if a gradient is not a dense (strided) tensor.
         """
         current_position = None if current is None else self.position_of_node.get(id(current))
-        idle: list[int] = []
+        idle = False
         for position, (param, view, grad) in enumerate(
             zip(self.params, self.views, grads, strict=True)
         ):
             held = param.grad
             _check_dense(param, held)
             if grad is None:
-                idle.append(position)
+                idle = idle or not self.used_since_sync[position]
                 _write_scaled(view, held, scale)
                 continue
             _check_dense(param, grad)
@@ -139,16 +158,30 @@ class Bucket:
                 _write_scaled(view, grad, scale)
             else:
                 _write_scaled(view, held, scale)
-        self.flags.fill_(1)
-        for position in idle:
-            self.flags[position] = 0
-        return bool(idle)
+        if idle:
+            used = [
+                grad is not None or earlier
+                for grad, earlier in zip(grads, self.used_since_sync, strict=True)
+            ]
+            self._write_flags(used)
+        else:
+            self.flags.fill_(1)
+        return idle
 
     def fill_idle(self, scale: float) -> None:
         """Write the buffer for a step in which this process computed none of its gradients."""
-        self.flags.zero_()
         for param, view in zip(self.params, self.views, strict=True):
             _write_scaled(view, param.grad, scale)
+        if any(self.used_since_sync):
+            self._write_flags(self.used_since_sync)
+        else:
+            self.flags.zero_()
+
+    def _write_flags(self, used: Sequence[bool]) -> None:
+        # One copy rather than one kernel per flag. The source is pageable: non_blocking lets the
+        # driver stage it without waiting for the device (as ``fill_`` would not wait).
+        values = torch.tensor(used, dtype=self.flags.dtype)
+        self.flags.copy_(values, non_blocking=True)
 
     def write_back(self, idle: bool) -> None:
         """Copy the averaged gradients from the buffer into each parameter's ``.grad``.
@@ -157,6 +190,8 @@ class Bucket:
             idle: whether some parameter got no gradient on this process; only then are the
                 flags read, and a parameter that no process computed a gradient for is left
                 untouched.
+
+        The record of ``no_sync()`` usage is cleared: what it covered has now been averaged.
         """
         used: Sequence[float] = self.flags.tolist() if idle else ()
         for position, (param, view) in enumerate(zip(self.params, self.views, strict=True)):
@@ -168,6 +203,7 @@ class Bucket:
                 param.grad.copy_(view)
             else:
                 held.copy_(view)
+        self.used_since_sync = [False] * len(self.params)
 
 
 def _write_scaled(out: torch.Tensor, grad: torch.Tensor | None, scale: float) -> None:

@@ -19,24 +19,29 @@ complete, and at the end of backward every ``.grad`` holds the average across pr
 #   * the parameter whose hook is running is the one the engine is executing
 #     (``torch._C._current_autograd_node()`` is its accumulator): its value is the old ``.grad``
 #     plus the hook's gradient, added the way the engine is about to add them;
-#   * a parameter that gets no gradient in this backward keeps its ``.grad`` (or zeros).
+#   * a parameter that gets no gradient in this backward keeps its ``.grad`` (or zeros), which
+#     holds what earlier ``no_sync()`` steps accumulated.
 # When the bucket's hook is called at the end of the task instead (multi-grad's late flush), no
 # node is executing and every parameter is accumulated. The buffer is written as ``grad * (1/W)``
 # in one pass and summed across processes, as DDP's reducer does, so float64 results agree to the
 # last bits.
 #
 # Unused parameters: each buffer ends with one flag per parameter, 1 where this process computed
-# its gradient. After the sum a flag of 0 means no process did, and that ``.grad`` is left as it
-# was: the result DDP gives with ``find_unused_parameters=True``, at the cost of a few elements
-# per bucket rather than a separate collective. The flags are only read back (a device sync on
-# GPU) when this process had an unused parameter in the bucket; otherwise all are in use.
+# its gradient, in this backward or in a ``no_sync()`` backward since the last synchronised one
+# (each bucket keeps that record, ``Bucket.used_since_sync``, as DDP keeps its used-map across
+# no_sync steps; it is cleared once the averages are written back). After the sum a flag of 0
+# means no process did, and that ``.grad`` is left as it was: the result DDP gives with
+# ``find_unused_parameters=True``, at the cost of a few elements per bucket rather than a separate
+# collective. The flags are only read back (a device sync on GPU) when this process had an unused
+# parameter in the bucket; otherwise all are in use.
 #
 # Launch order: ranks must issue collectives in the same order, but buckets can complete in
 # different orders on different ranks. Bucket i is launched only once buckets 0..i-1 are, and a
 # bucket completed early waits in ``_SyncStep.ready``. When the first bucket of a backward
-# completes, buckets none of whose parameters will run in this graph task are marked ready at
-# once, so an unused first bucket does not hold back every later one. Buckets still not ready at
-# the end of the task (never fired) are filled from ``.grad`` and launched before waiting.
+# completes, right after it is launched, buckets none of whose parameters will run in this graph
+# task are marked ready, so an unused first bucket does not hold back every later one. Buckets
+# still not ready at the end of the task (never fired) are filled from ``.grad`` and launched
+# before waiting.
 #
 # Failure: a backward that raises never runs the end-of-task callback. What it launched stays
 # with the handle (``_active``); the next synchronised backward, or ``remove()``, sees that the
@@ -59,7 +64,7 @@ from torch.autograd.graph import Node
 
 from ._buckets import MIB, Bucket, assign_buckets
 from ._errors import GradientSyncError, InvalidHookArgumentError, InvalidSyncArgumentError
-from ._multigrad import register_multi_grad_hook
+from ._multigrad import _hook_fires, register_multi_grad_hook
 from ._store import GraphTaskState, graph_task_store
 
 __all__ = ["GradientSyncHandle", "sync_gradients"]
@@ -78,11 +83,23 @@ _synced_lock = threading.Lock()
 class _SyncStep:
     """What one synchronised backward call has done so far."""
 
-    __slots__ = ("idle", "lock", "next", "ready", "sync", "task_id", "works")
+    __slots__ = (
+        "accumulates",
+        "idle",
+        "lock",
+        "next",
+        "ready",
+        "scan_pending",
+        "sync",
+        "task_id",
+        "works",
+    )
 
-    def __init__(self, task_id: int, buckets: int, sync: bool) -> None:
+    def __init__(self, task_id: int, buckets: int, sync: bool, accumulates: bool) -> None:
         self.task_id = task_id
         self.sync = sync
+        self.accumulates = accumulates  # False for torch.autograd.grad, which leaves .grad alone
+        self.scan_pending = sync  # the buckets that will not run are yet to be marked ready
         self.lock = threading.Lock()  # buckets of several devices complete on several threads
         self.ready = [False] * buckets
         self.idle = [False] * buckets
@@ -188,9 +205,11 @@ class GradientSyncHandle:
         step: _SyncStep | None = task.slots.get(self._key)
         if step is None:
             step = task.get(self._key, lambda: self._open_step(task, index, grads))
-        if not step.sync:
-            return
         bucket = self._buckets[index]
+        if not step.sync:
+            if step.accumulates:
+                bucket.note_used(grads)
+            return
         with step.lock:
             if step.ready[index]:
                 raise GradientSyncError(
@@ -203,13 +222,17 @@ class GradientSyncHandle:
             step.ready[index] = True
             step.idle[index] = idle
             self._launch_ready(step)
+            scan, step.scan_pending = step.scan_pending, False
+        if scan:
+            self._mark_idle_buckets(step, index)
 
     def _open_step(
         self, task: GraphTaskState, index: int, grads: Sequence[torch.Tensor | None]
     ) -> _SyncStep:
         """Start the per-backward state at the first bucket to complete (under ``task.lock``)."""
-        sync = self._no_sync_depth == 0 and not _captured(self._buckets[index], grads)
-        step = _SyncStep(task.task_id, len(self._buckets), sync)
+        accumulates = not _captured(self._buckets[index], grads)
+        sync = accumulates and self._no_sync_depth == 0
+        step = _SyncStep(task.task_id, len(self._buckets), sync, accumulates)
         if not sync:
             return step
         with self._lock:
@@ -218,12 +241,28 @@ class GradientSyncHandle:
         # The callback must not hold the task: the task holds its callbacks, and a cycle would
         # keep this backward's state (buffered gradients included) alive until the next GC.
         task.on_end(functools.partial(self._end_step, step), order=1)
-        with torch.no_grad():
-            for other, bucket in enumerate(self._buckets):
-                if other != index and not any(map(_may_run, bucket.accumulators)):
-                    bucket.fill_idle(self._scale)
-                    step.ready[other] = step.idle[other] = True
         return step
+
+    def _mark_idle_buckets(self, step: _SyncStep, first: int) -> None:
+        """Fill and mark ready the buckets none of whose parameters run in this backward.
+
+        Called once per synchronised backward, after its first bucket (``first``) is launched.
+        A bucket found here cannot complete in this backward, so no other thread touches it.
+        """
+        idle = [
+            other
+            for other, bucket in enumerate(self._buckets)
+            if other != first and not any(map(_hook_fires, bucket.accumulators))
+        ]
+        if not idle:
+            return
+        with torch.no_grad():
+            for other in idle:
+                self._buckets[other].fill_idle(self._scale)
+        with step.lock:
+            for other in idle:
+                step.ready[other] = step.idle[other] = True
+            self._launch_ready(step)
 
     def _launch_ready(self, step: _SyncStep) -> None:
         """Launch, in bucket order, every bucket whose predecessors are all launched."""
@@ -253,7 +292,7 @@ class GradientSyncHandle:
         step = self._active
         if step is None:
             return
-        if step.task_id in graph_task_store.task_ids():
+        if step.task_id in graph_task_store.tasks_by_id:
             raise GradientSyncError(
                 "sync_gradients: these parameters are already being synchronised by backward "
                 f"call (graph task) {step.task_id}; two backward calls cannot synchronise the "
@@ -268,14 +307,6 @@ def _wait_all(works: list[Any]) -> None:
     # Pop before waiting: a work that failed is reported once, not again at every later step.
     while works:
         works.pop(0).wait()
-
-
-def _may_run(node: Node) -> bool:
-    """Whether an accumulator may run in the current graph task (a captured leaf's raises)."""
-    try:
-        return _will_engine_execute_node(node)
-    except RuntimeError:
-        return True
 
 
 def _captured(bucket: Bucket, grads: Sequence[torch.Tensor | None]) -> bool:

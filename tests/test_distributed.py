@@ -145,10 +145,12 @@ def _scenario_steps(rank: int) -> dict[str, Any]:
 def _scenario_accumulation(rank: int) -> dict[str, Any]:
     pair = _Pair(rank)
     step = 0
-    for _ in range(3):
+    # The branch is used under no_sync only: not at all, on rank 0, on both ranks. Its bucket
+    # completes in the synchronised step (the output layer shares it) with the branch unused.
+    for branch in (False, rank == 0, True):
         for _ in range(2):
             with pair.handle.no_sync(), pair.ddp.no_sync():
-                pair.backward(step)
+                pair.backward(step, branch=branch)
             step += 1
             pair.compare()  # local grads: neither side communicated
         pair.backward(step)
@@ -172,6 +174,16 @@ def _scenario_unused(rank: int) -> dict[str, Any]:
     pair.opts[0].step()
     pair.opts[1].step()  # .grad kept: the next, unused step must leave the branch's untouched
     pair.backward(11, branch=False)
+    pair.compare()
+    pair.step()
+    # The branch used under no_sync on rank 0 only: its buckets never complete in the
+    # synchronised step, yet what rank 0 accumulated is averaged.
+    with pair.handle.no_sync(), pair.ddp.no_sync():
+        pair.backward(12, branch=rank == 0)
+    pair.backward(13, branch=False)
+    pair.compare()
+    pair.step()
+    pair.backward(14, branch=False)  # that use is forgotten: the branch's .grad stays None
     pair.compare()
     pair.handle.remove()
     return pair.report
@@ -343,14 +355,14 @@ class TestSyncGradientsTwoRanks:
             _check_report(report["steps"], compared=4)
 
     def test_matches_ddp_with_no_sync_accumulation(self, two_ranks: list[dict[str, Any]]) -> None:
-        """Local grads under no_sync and the averaged accumulated grads after it equal DDP's."""
+        """no_sync grads and the averages after it, of parameters used only there too, match DDP."""
         for report in two_ranks:
             _check_report(report["accumulation"], compared=9)
 
     def test_matches_ddp_with_unused_parameters(self, two_ranks: list[dict[str, Any]]) -> None:
         """Parameters unused on some or all ranks end as DDP leaves them, None included."""
         for report in two_ranks:
-            _check_report(report["unused"], compared=5)
+            _check_report(report["unused"], compared=7)
 
     def test_matches_ddp_when_buckets_complete_in_different_orders(
         self, two_ranks: list[dict[str, Any]]
