@@ -221,18 +221,27 @@ def _byte_span(tensor: torch.Tensor, resizes: bool) -> tuple[float, float] | Non
     return (lo * itemsize, (hi + 1) * itemsize)
 
 
-def _geometry(tensor: torch.Tensor) -> object:
-    """A key equal for two aliases that read exactly the same elements as the same dtype.
+def _clone_key(tensor: torch.Tensor) -> object:
+    """A key equal for two aliases whose clones are interchangeable.
 
-    Falls back to the tensor's identity (no sharing) without concrete integer geometry: symbolic
-    sizes of fake tensors are unhashable.
+    They must read the same elements (storage offset, sizes, strides) as the same values: same
+    dtype, same conjugate and negative bits (a clone resolves them, so ``b`` and ``b.conj()``
+    need two clones) and the same tensor type. Falls back to the tensor's identity (no sharing)
+    without concrete integer geometry: symbolic sizes of fake tensors are unhashable.
     """
     try:
-        key = (tensor.storage_offset(), *tensor.size(), *tensor.stride())
+        geometry = (tensor.storage_offset(), *tensor.size(), *tensor.stride())
     except (RuntimeError, NotImplementedError):
         return id(tensor)
-    if all(type(value) is int for value in key):
-        return (tensor.dtype, tensor.dim(), key)
+    if all(type(value) is int for value in geometry):
+        return (
+            type(tensor),
+            tensor.dtype,
+            tensor.is_conj(),
+            tensor.is_neg(),
+            tensor.dim(),
+            geometry,
+        )
     return id(tensor)
 
 
@@ -366,10 +375,10 @@ class MutationContext:
                     kept.append(ref)
                     continue
             # A tensor saved several times (same alias, same version) shares one clone.
-            geometry = _geometry(original)
-            clone = clones.get(geometry)
+            shared = _clone_key(original)
+            clone = clones.get(shared)
             if clone is None:
-                clone = clones[geometry] = original.clone()
+                clone = clones[shared] = original.clone()
             saved.tensor = clone
             self._cloned.add(weakref.ref(saved, self._cloned.discard))
         if kept:

@@ -750,6 +750,32 @@ class TestAllowMutationOnSavedTensors:
             out.backward()
             assert (ctx.num_saved(), ctx.num_cloned()) == (0, 0)
 
+    @pytest.mark.parametrize(
+        ("complex_leaf", "view"),
+        [
+            pytest.param(True, torch.conj, id="conj"),
+            pytest.param(False, torch._neg_view, id="neg"),
+        ],
+    )
+    def test_conj_and_neg_views_get_their_own_clone(
+        self, complex_leaf: bool, view: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        """A tensor and its conj or neg view, saved and then written, do not share one clone."""
+
+        def program(a: torch.Tensor) -> torch.Tensor:
+            b = a * 1
+            product = b * view(b)  # saves b and its view: same elements, other values
+            b.mul_(10.0)
+            return (torch.view_as_real(product) if complex_leaf else product).sum()
+
+        leaf = torch.complex(leaf_4x6(), leaf_4x6().flip(0)) if complex_leaf else leaf_4x6()
+        expected = grad_under(None, reference(program), leaf)
+        got = grad_under(tensorhooks.allow_mutation_on_saved_tensors, program, leaf)
+        torch.testing.assert_close(got, expected)
+        assert torch.allclose(
+            grad_under(torch_graph.allow_mutation_on_saved_tensors, program, leaf), expected
+        )
+
     def test_dropped_graph_frees_everything(self) -> None:
         """A graph dropped without backward frees saved outputs and clones (no cycles)."""
         a = leaf_4x6().requires_grad_()
