@@ -53,7 +53,9 @@
 # Threads and nesting: each context has its own state; open contexts are listed in a module-level
 # tuple, and a write made under any context's mode, on any thread, protects the tensors saved by
 # every open context. Nesting is allowed (unlike torch): the inner context tracks what is saved
-# inside it and must also see its backward. Hook pairs pushed inside the context with
+# inside it and must also see its backward. A context whose thread's innermost dispatch mode is
+# already ours pushes no second one (it would only run every operator through the handler twice).
+# Hook pairs pushed inside the context with
 # tensorhooks' ``saved_tensors_hooks`` (and its subclasses) are wrapped by the context's save
 # guard and keep the protection. torch's own ``saved_tensors_hooks`` cannot be intercepted when
 # pushed; an in-place write made while one is the innermost pair raises ``UnguardedHooksError``.
@@ -70,7 +72,7 @@ from types import CodeType
 from typing import Any, NamedTuple, NoReturn
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from ._errors import MutationContextExitedError, UnguardedHooksError
 from ._saved import PackHook, SavedCopy, UnpackHook, VersionGuard, use_save_guard
@@ -626,6 +628,18 @@ class _CloneBeforeWriteMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     __torch_dispatch__ = _torch_dispatch
 
 
+def _mode_for_this_thread() -> contextlib.AbstractContextManager[object]:
+    """A new clone-before-write mode, or nothing if this thread's innermost mode is one already.
+
+    One mode protects every open context, so a nested context adds none: each operator goes
+    through one handler and each write protects each context once. A context entered under
+    another mode pushes its own, which sees the operators that mode does not forward.
+    """
+    if isinstance(_get_current_dispatch_mode(), _CloneBeforeWriteMode):
+        return contextlib.nullcontext()
+    return _CloneBeforeWriteMode()  # type: ignore[no-untyped-call]  # torch's __init__ is untyped
+
+
 @contextlib.contextmanager
 def allow_mutation_on_saved_tensors() -> Generator[MutationContext, None, None]:
     """Context manager under which tensors saved for backward may be changed in place.
@@ -681,8 +695,7 @@ def allow_mutation_on_saved_tensors() -> Generator[MutationContext, None, None]:
     context = MutationContext()
     _push_hooks(context._pack, _unpack)
     try:
-        # TorchDispatchMode.__init__ is untyped in torch.
-        with use_save_guard(context._guard), _CloneBeforeWriteMode():  # type: ignore[no-untyped-call]
+        with use_save_guard(context._guard), _mode_for_this_thread():
             with _open_contexts_lock:
                 _open_contexts = (*_open_contexts, context)
             try:

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.autograd.graph as torch_graph
 from hypothesis import given
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import tensorhooks
 from tensorhooks import _mutation
@@ -595,6 +596,29 @@ class TestAllowMutationOnSavedTensors:
             torch_graph.allow_mutation_on_saved_tensors(),
         ):
             pass
+
+    def test_nested_contexts_share_one_dispatch_mode(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A nested context pushes no second mode: a write protects each context once."""
+        protected: list[_mutation.MutationContext] = []
+        protect = _mutation.MutationContext._protect
+
+        def counting(self: _mutation.MutationContext, *args: Any) -> None:
+            protected.append(self)
+            protect(self, *args)
+
+        monkeypatch.setattr(_mutation.MutationContext, "_protect", counting)
+        stack_len = torch._C._len_torch_dispatch_stack
+        with tensorhooks.allow_mutation_on_saved_tensors() as outer:
+            assert stack_len() == 1
+            with tensorhooks.allow_mutation_on_saved_tensors() as inner:
+                assert stack_len() == 1
+                torch.ones(3).mul_(2.0)
+                assert protected == [outer, inner]
+                with TorchDispatchMode(), tensorhooks.allow_mutation_on_saved_tensors():
+                    assert stack_len() == 3  # under another mode: its own, on top
+                assert stack_len() == 1
+            assert stack_len() == 1
+        assert stack_len() == 0
 
     def test_inner_graph_after_inner_exit_raises(self) -> None:
         """A graph recorded in the inner context needs its backward before the inner exits."""
