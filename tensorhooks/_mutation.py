@@ -161,33 +161,58 @@ class _SavedTensor:
 _unpack: Callable[[_SavedTensor], torch.Tensor] = operator.attrgetter("tensor")
 
 
-def _make_pack(pending: set[weakref.ref[_SavedTensor]]) -> Callable[[torch.Tensor], _SavedTensor]:
-    """Return the context's pack hook; handles go into ``pending`` until a write indexes them.
+def _is_newest_output(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is an output of the node created last on this thread: the saving node."""
+    grad_fn = tensor.grad_fn
+    return grad_fn is not None and grad_fn._sequence_nr() == _peek_sequence_nr() - 1
 
-    See NOTE [Clone before write] for why saved outputs are held through a detached alias.
+
+def _detached(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor.detach()``, made without entering this context's dispatch mode where possible."""
+    if type(tensor) not in _PLAIN_TENSOR_TYPES:
+        return tensor.detach()
+    # detach() would otherwise go through the dispatch mode (microseconds).
+    was_excluded = _is_excluded(_PYTHON_KEY)
+    _set_excluded(_PYTHON_KEY, True)
+    try:
+        return tensor.detach()
+    finally:
+        _set_excluded(_PYTHON_KEY, was_excluded)
+
+
+_Pack = Callable[[torch.Tensor], _SavedTensor]
+_Track = Callable[[torch.Tensor, bool], _SavedTensor]
+
+
+def _make_pack(pending: set[weakref.ref[_SavedTensor]]) -> tuple[_Pack, _Track]:
+    """Return the context's pack hook and its tracker; handles go into ``pending``.
+
+    ``track(tensor, is_output)`` makes the handle of a tensor whose ``is_output`` test was made
+    earlier (guarded user pairs, see `_GuardedPair.pack`); ``pack`` tests now. See NOTE [Clone
+    before write] for why saved outputs are held through a detached alias. Handles stay in
+    ``pending`` until a write indexes them.
     """
     add = pending.add
     discard = pending.discard
 
     def pack(tensor: torch.Tensor) -> _SavedTensor:
+        # The hot path: _is_newest_output and track inlined.
         saved = _SavedTensor()
         grad_fn = tensor.grad_fn
         if grad_fn is None or grad_fn._sequence_nr() != _peek_sequence_nr() - 1:
             saved.tensor = tensor
-        elif type(tensor) in _PLAIN_TENSOR_TYPES:
-            # detach() would otherwise go through this context's dispatch mode (microseconds).
-            was_excluded = _is_excluded(_PYTHON_KEY)
-            _set_excluded(_PYTHON_KEY, True)
-            try:
-                saved.tensor = tensor.detach()
-            finally:
-                _set_excluded(_PYTHON_KEY, was_excluded)
         else:
-            saved.tensor = tensor.detach()
+            saved.tensor = _detached(tensor)
         add(weakref.ref(saved, discard))
         return saved
 
-    return pack
+    def track(tensor: torch.Tensor, is_output: bool) -> _SavedTensor:
+        saved = _SavedTensor()
+        saved.tensor = _detached(tensor) if is_output else tensor
+        add(weakref.ref(saved, discard))
+        return saved
+
+    return pack, track
 
 
 _EVERYTHING = (0, float("inf"))
@@ -264,7 +289,7 @@ class MutationContext:
         self._lock = threading.RLock()
         self._indexed = 0
         self._prune_at = 256
-        self._pack = _make_pack(self._pending)
+        self._pack, self._track = _make_pack(self._pending)
         self._guard = _MutationGuard(self)
 
     def num_saved(self) -> int:
@@ -296,10 +321,6 @@ class MutationContext:
             if saved is not None:
                 with contextlib.suppress(AttributeError):
                     del saved.tensor
-
-    def _track(self, tensor: torch.Tensor) -> _SavedTensor:
-        """Start tracking ``tensor`` as saved for backward (used by guarded user hooks)."""
-        return self._pack(tensor)
 
     def _index_pending(self) -> None:
         """Key every handle saved since the last write by its storage. Caller holds the lock.
@@ -433,23 +454,22 @@ class _GuardedPair:
 
     def pack(self, tensor: torch.Tensor) -> object:
         """Call the user's pack; track the tensor unless what pack returned is a real copy."""
-        # Tracked first: the user's pack may create autograd nodes, which would hide from the
-        # tracker that ``tensor`` is an output of the node saving it.
-        saved = self._context._track(tensor)
+        # Tested first: the user's pack may create autograd nodes, which would hide that
+        # ``tensor`` is an output of the node saving it.
+        is_output = _is_newest_output(tensor)
         packed = self._pack_hook(tensor)
         if _is_copy(packed, tensor):
-            return packed  # ``saved`` dies here and leaves the pending set
-        return _GuardedSave(saved, packed)
+            return packed
+        return _GuardedSave(self._context._track(tensor, is_output), packed)
 
     def unpack(self, stored: object) -> torch.Tensor:
-        """Call the user's unpack; hand back the save-time clone if the tensor was written."""
+        """Hand back the save-time clone if the tensor was written; else call the user's unpack."""
         if type(stored) is not _GuardedSave:
             return self._unpack_hook(stored)
         current = stored.saved.tensor  # raises once the context has exited
-        result = self._unpack_hook(stored.packed)
         if id(current) != stored.original_id:
             return current
-        return result
+        return self._unpack_hook(stored.packed)
 
 
 class _MutationGuard:
@@ -473,7 +493,7 @@ def _noop_pack(tensor: torch.Tensor) -> torch.Tensor:
 # Innermost pairs under which a write is safe: ours, guarded user pairs, and tensorhooks'
 # version guard (it raises at backward rather than handing back changed data). Compared by
 # identity: hashing a code object hashes its bytecode.
-_OWN_PACK_CODE: CodeType = _make_pack(set()).__code__
+_OWN_PACK_CODE: CodeType = _make_pack(set())[0].__code__
 _PROTECTED_PACK_CODES: tuple[CodeType, ...] = (
     _GuardedPair.pack.__code__,
     VersionGuard().wrap(_noop_pack, _noop_pack)[0].__code__,

@@ -383,20 +383,26 @@ class TestAllowMutationOnSavedTensors:
     # --- hooks pushed inside the context --------------------------------------------------------
 
     @pytest.mark.parametrize(
-        ("pack", "unpack"),
+        ("pack", "unpack", "tracked"),
         [
-            pytest.param(lambda t: t, lambda t: t, id="identity"),
-            pytest.param(lambda t: t.view(-1), lambda p: p, id="view"),
-            pytest.param(lambda t: [t.detach(), 3], lambda p: p[0], id="list_alias"),
-            pytest.param(lambda t: {"t": t}, lambda p: p["t"], id="unknown_object"),
-            pytest.param(lambda t: t.detach().clone(), lambda p: p, id="copy"),
+            pytest.param(lambda t: t, lambda t: t, True, id="identity"),
+            pytest.param(lambda t: t.view(-1), lambda p: p, True, id="view"),
+            pytest.param(lambda t: [t.detach(), 3], lambda p: p[0], True, id="list_alias"),
+            pytest.param(lambda t: {"t": t}, lambda p: p["t"], True, id="unknown_object"),
+            pytest.param(lambda t: t.detach().clone(), lambda p: p, False, id="copy"),
             pytest.param(
-                lambda t: (t.to(torch.float32), t.dtype), lambda p: p[0].to(p[1]), id="cast"
+                lambda t: (t.to(torch.float32), t.dtype),
+                lambda p: p[0].to(p[1]),
+                False,
+                id="cast",
             ),
         ],
     )
     def test_tensorhooks_hooks_inside_keep_the_protection(
-        self, pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor]
+        self,
+        pack: Callable[[torch.Tensor], Any],
+        unpack: Callable[[Any], torch.Tensor],
+        tracked: bool,
     ) -> None:
         """saved_tensors_hooks pushed inside are guarded: aliases packed as-is are cloned."""
         calls = []
@@ -415,15 +421,24 @@ class TestAllowMutationOnSavedTensors:
         got = grad_under(tensorhooks.allow_mutation_on_saved_tensors, program, leaf_4x6())
         expected = grad_under(None, lambda a: (a[1:] ** 2).sum(), leaf_4x6())
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
-        assert calls == [1]  # the user's unpack still runs
+        assert calls == ([] if tracked else [1])  # not run when the clone is handed back
 
     def test_copying_hooks_inside_track_nothing(self) -> None:
         """A pack that returns a real copy needs no protection: nothing is tracked or cloned."""
         a = leaf_4x6().requires_grad_()
         with tensorhooks.allow_mutation_on_saved_tensors() as ctx:
+            tracked: list[torch.Tensor] = []
+            track = ctx._track
+
+            def counting_track(tensor: torch.Tensor, is_output: bool) -> Any:
+                tracked.append(tensor)
+                return track(tensor, is_output)
+
+            ctx._track = counting_track
             b = a * 1
             with tensorhooks.saved_tensors_hooks(lambda t: t.detach().clone(), lambda p: p):
                 out = (b**2).sum()
+            assert tracked == []  # not even a handle made and dropped
             assert ctx.num_saved() == 0
             b.mul_(2.0)
             assert ctx.num_cloned() == 0
