@@ -75,13 +75,18 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from ._errors import MutationContextExitedError, UnguardedHooksError
-from ._saved import PackHook, SavedCopy, UnpackHook, VersionGuard, use_save_guard
+from ._saved import (
+    PackHook,
+    SavedCopy,
+    UnpackHook,
+    VersionGuard,
+    _is_alias_of,
+    _pop_hooks,
+    _push_hooks,
+    use_save_guard,
+)
 
 __all__ = ["MutationContext", "allow_mutation_on_saved_tensors"]
-
-_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
-_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
-
 
 _HookPair = tuple[Callable[..., Any], Callable[..., Any]]
 
@@ -102,8 +107,6 @@ def _find_top_hooks() -> Callable[[], _HookPair | None] | None:
 
 # Returns the innermost (pack, unpack) pair pushed on this thread, or None (stubs omit None).
 _top_hooks = _find_top_hooks()
-# Not in torch's stubs; True when two tensors share a storage.
-_is_alias_of: Callable[[torch.Tensor, torch.Tensor], bool] = torch._C._is_alias_of  # type: ignore[attr-defined]
 _set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
 _is_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
 _PYTHON_KEY = torch._C.DispatchKey.Python
@@ -215,6 +218,15 @@ def _make_pack(pending: set[weakref.ref[_SavedTensor]]) -> tuple[_Pack, _Track]:
     return pack, track
 
 
+def _storage_key(tensor: torch.Tensor) -> int | None:
+    """The address of ``tensor``'s StorageImpl; None without a storage (sparse)."""
+    try:
+        key: int = tensor.untyped_storage()._cdata
+    except (NotImplementedError, RuntimeError):
+        return None
+    return key
+
+
 _EVERYTHING = (0, float("inf"))
 
 
@@ -295,9 +307,7 @@ class MutationContext:
     def num_saved(self) -> int:
         """Return how many tensors saved in this context are still held for backward."""
         with self._lock:
-            refs: list[weakref.ref[_SavedTensor]] = [*self._pending, *self._cloned]
-            for bucket in self._by_storage.values():
-                refs.extend(bucket)
+            refs = self._refs()
         return sum(1 for ref in refs if ref() is not None)
 
     def num_cloned(self) -> int:
@@ -310,9 +320,7 @@ class MutationContext:
         Called when the context exits. Tensors saved after a manual call are tracked afresh.
         """
         with self._lock:
-            refs: list[weakref.ref[_SavedTensor]] = [*self._pending, *self._cloned]
-            for bucket in self._by_storage.values():
-                refs.extend(bucket)
+            refs = self._refs()
             self._pending.clear()
             self._cloned.clear()
             self._by_storage.clear()
@@ -321,6 +329,13 @@ class MutationContext:
             if saved is not None:
                 with contextlib.suppress(AttributeError):
                     del saved.tensor
+
+    def _refs(self) -> list[weakref.ref[_SavedTensor]]:
+        """Every weak reference to a handle this context holds. Caller holds the lock."""
+        refs = [*self._pending, *self._cloned]
+        for bucket in self._by_storage.values():
+            refs.extend(bucket)
+        return refs
 
     def _index_pending(self) -> None:
         """Key every handle saved since the last write by its storage. Caller holds the lock.
@@ -337,11 +352,7 @@ class MutationContext:
             saved = ref()
             if saved is None:
                 continue
-            # Storage key: the StorageImpl's address; None without a storage (sparse).
-            try:
-                key = saved.tensor.untyped_storage()._cdata
-            except (NotImplementedError, RuntimeError):
-                key = None
+            key = _storage_key(saved.tensor)
             bucket = by_storage.get(key)
             if bucket is None:
                 by_storage[key] = [ref]
@@ -369,10 +380,7 @@ class MutationContext:
         if not by_storage:
             return
         for tensor in written:
-            try:  # the storage key, as in _index_pending
-                key = tensor.untyped_storage()._cdata
-            except (NotImplementedError, RuntimeError):
-                key = None
+            key = _storage_key(tensor)
             if key in by_storage:
                 with self._lock:
                     self._clone_overlapping(key, tensor, resizes)

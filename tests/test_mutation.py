@@ -903,7 +903,4 @@ class TestAllowMutationOnSavedTensors:
 
 
 def _live_handles(ctx: _mutation.MutationContext) -> list[Any]:
-    refs = [*ctx._pending, *ctx._cloned]
-    for bucket in ctx._by_storage.values():
-        refs.extend(bucket)
-    return [saved for saved in (ref() for ref in refs) if saved is not None]
+    return [saved for saved in (ref() for ref in ctx._refs()) if saved is not None]
