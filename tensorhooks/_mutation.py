@@ -53,7 +53,9 @@
 # Threads and nesting: each context has its own state; open contexts are listed in a module-level
 # tuple, and a write made under any context's mode, on any thread, protects the tensors saved by
 # every open context. Nesting is allowed (unlike torch): the inner context tracks what is saved
-# inside it and must also see its backward. Hook pairs pushed inside the context with
+# inside it and must also see its backward. A context whose thread's innermost dispatch mode is
+# already ours pushes no second one (it would only run every operator through the handler twice).
+# Hook pairs pushed inside the context with
 # tensorhooks' ``saved_tensors_hooks`` (and its subclasses) are wrapped by the context's save
 # guard and keep the protection. torch's own ``saved_tensors_hooks`` cannot be intercepted when
 # pushed; an in-place write made while one is the innermost pair raises ``UnguardedHooksError``.
@@ -70,16 +72,21 @@ from types import CodeType
 from typing import Any, NamedTuple, NoReturn
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from ._errors import MutationContextExitedError, UnguardedHooksError
-from ._saved import PackHook, SavedCopy, UnpackHook, VersionGuard, use_save_guard
+from ._saved import (
+    PackHook,
+    SavedCopy,
+    UnpackHook,
+    VersionGuard,
+    _is_alias_of,
+    _pop_hooks,
+    _push_hooks,
+    use_save_guard,
+)
 
 __all__ = ["MutationContext", "allow_mutation_on_saved_tensors"]
-
-_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
-_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
-
 
 _HookPair = tuple[Callable[..., Any], Callable[..., Any]]
 
@@ -100,8 +107,6 @@ def _find_top_hooks() -> Callable[[], _HookPair | None] | None:
 
 # Returns the innermost (pack, unpack) pair pushed on this thread, or None (stubs omit None).
 _top_hooks = _find_top_hooks()
-# Not in torch's stubs; True when two tensors share a storage.
-_is_alias_of: Callable[[torch.Tensor, torch.Tensor], bool] = torch._C._is_alias_of  # type: ignore[attr-defined]
 _set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
 _is_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
 _PYTHON_KEY = torch._C.DispatchKey.Python
@@ -159,33 +164,67 @@ class _SavedTensor:
 _unpack: Callable[[_SavedTensor], torch.Tensor] = operator.attrgetter("tensor")
 
 
-def _make_pack(pending: set[weakref.ref[_SavedTensor]]) -> Callable[[torch.Tensor], _SavedTensor]:
-    """Return the context's pack hook; handles go into ``pending`` until a write indexes them.
+def _is_newest_output(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is an output of the node created last on this thread: the saving node."""
+    grad_fn = tensor.grad_fn
+    return grad_fn is not None and grad_fn._sequence_nr() == _peek_sequence_nr() - 1
 
-    See NOTE [Clone before write] for why saved outputs are held through a detached alias.
+
+def _detached(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor.detach()``, made without entering this context's dispatch mode where possible."""
+    if type(tensor) not in _PLAIN_TENSOR_TYPES:
+        return tensor.detach()
+    # detach() would otherwise go through the dispatch mode (microseconds).
+    was_excluded = _is_excluded(_PYTHON_KEY)
+    _set_excluded(_PYTHON_KEY, True)
+    try:
+        return tensor.detach()
+    finally:
+        _set_excluded(_PYTHON_KEY, was_excluded)
+
+
+_Pack = Callable[[torch.Tensor], _SavedTensor]
+_Track = Callable[[torch.Tensor, bool], _SavedTensor]
+
+
+def _make_pack(pending: set[weakref.ref[_SavedTensor]]) -> tuple[_Pack, _Track]:
+    """Return the context's pack hook and its tracker; handles go into ``pending``.
+
+    ``track(tensor, is_output)`` makes the handle of a tensor whose ``is_output`` test was made
+    earlier (guarded user pairs, see `_GuardedPair.pack`); ``pack`` tests now. See NOTE [Clone
+    before write] for why saved outputs are held through a detached alias. Handles stay in
+    ``pending`` until a write indexes them.
     """
     add = pending.add
     discard = pending.discard
 
     def pack(tensor: torch.Tensor) -> _SavedTensor:
+        # The hot path: _is_newest_output and track inlined.
         saved = _SavedTensor()
         grad_fn = tensor.grad_fn
         if grad_fn is None or grad_fn._sequence_nr() != _peek_sequence_nr() - 1:
             saved.tensor = tensor
-        elif type(tensor) in _PLAIN_TENSOR_TYPES:
-            # detach() would otherwise go through this context's dispatch mode (microseconds).
-            was_excluded = _is_excluded(_PYTHON_KEY)
-            _set_excluded(_PYTHON_KEY, True)
-            try:
-                saved.tensor = tensor.detach()
-            finally:
-                _set_excluded(_PYTHON_KEY, was_excluded)
         else:
-            saved.tensor = tensor.detach()
+            saved.tensor = _detached(tensor)
         add(weakref.ref(saved, discard))
         return saved
 
-    return pack
+    def track(tensor: torch.Tensor, is_output: bool) -> _SavedTensor:
+        saved = _SavedTensor()
+        saved.tensor = _detached(tensor) if is_output else tensor
+        add(weakref.ref(saved, discard))
+        return saved
+
+    return pack, track
+
+
+def _storage_key(tensor: torch.Tensor) -> int | None:
+    """The address of ``tensor``'s StorageImpl; None without a storage (sparse)."""
+    try:
+        key: int = tensor.untyped_storage()._cdata
+    except (NotImplementedError, RuntimeError):
+        return None
+    return key
 
 
 _EVERYTHING = (0, float("inf"))
@@ -221,18 +260,27 @@ def _byte_span(tensor: torch.Tensor, resizes: bool) -> tuple[float, float] | Non
     return (lo * itemsize, (hi + 1) * itemsize)
 
 
-def _geometry(tensor: torch.Tensor) -> object:
-    """A key equal for two aliases that read exactly the same elements as the same dtype.
+def _clone_key(tensor: torch.Tensor) -> object:
+    """A key equal for two aliases whose clones are interchangeable.
 
-    Falls back to the tensor's identity (no sharing) without concrete integer geometry: symbolic
-    sizes of fake tensors are unhashable.
+    They must read the same elements (storage offset, sizes, strides) as the same values: same
+    dtype, same conjugate and negative bits (a clone resolves them, so ``b`` and ``b.conj()``
+    need two clones) and the same tensor type. Falls back to the tensor's identity (no sharing)
+    without concrete integer geometry: symbolic sizes of fake tensors are unhashable.
     """
     try:
-        key = (tensor.storage_offset(), *tensor.size(), *tensor.stride())
+        geometry = (tensor.storage_offset(), *tensor.size(), *tensor.stride())
     except (RuntimeError, NotImplementedError):
         return id(tensor)
-    if all(type(value) is int for value in key):
-        return (tensor.dtype, tensor.dim(), key)
+    if all(type(value) is int for value in geometry):
+        return (
+            type(tensor),
+            tensor.dtype,
+            tensor.is_conj(),
+            tensor.is_neg(),
+            tensor.dim(),
+            geometry,
+        )
     return id(tensor)
 
 
@@ -253,15 +301,13 @@ class MutationContext:
         self._lock = threading.RLock()
         self._indexed = 0
         self._prune_at = 256
-        self._pack = _make_pack(self._pending)
+        self._pack, self._track = _make_pack(self._pending)
         self._guard = _MutationGuard(self)
 
     def num_saved(self) -> int:
         """Return how many tensors saved in this context are still held for backward."""
         with self._lock:
-            refs: list[weakref.ref[_SavedTensor]] = [*self._pending, *self._cloned]
-            for bucket in self._by_storage.values():
-                refs.extend(bucket)
+            refs = self._refs()
         return sum(1 for ref in refs if ref() is not None)
 
     def num_cloned(self) -> int:
@@ -274,9 +320,7 @@ class MutationContext:
         Called when the context exits. Tensors saved after a manual call are tracked afresh.
         """
         with self._lock:
-            refs: list[weakref.ref[_SavedTensor]] = [*self._pending, *self._cloned]
-            for bucket in self._by_storage.values():
-                refs.extend(bucket)
+            refs = self._refs()
             self._pending.clear()
             self._cloned.clear()
             self._by_storage.clear()
@@ -286,9 +330,12 @@ class MutationContext:
                 with contextlib.suppress(AttributeError):
                     del saved.tensor
 
-    def _track(self, tensor: torch.Tensor) -> _SavedTensor:
-        """Start tracking ``tensor`` as saved for backward (used by guarded user hooks)."""
-        return self._pack(tensor)
+    def _refs(self) -> list[weakref.ref[_SavedTensor]]:
+        """Every weak reference to a handle this context holds. Caller holds the lock."""
+        refs = [*self._pending, *self._cloned]
+        for bucket in self._by_storage.values():
+            refs.extend(bucket)
+        return refs
 
     def _index_pending(self) -> None:
         """Key every handle saved since the last write by its storage. Caller holds the lock.
@@ -305,11 +352,7 @@ class MutationContext:
             saved = ref()
             if saved is None:
                 continue
-            # Storage key: the StorageImpl's address; None without a storage (sparse).
-            try:
-                key = saved.tensor.untyped_storage()._cdata
-            except (NotImplementedError, RuntimeError):
-                key = None
+            key = _storage_key(saved.tensor)
             bucket = by_storage.get(key)
             if bucket is None:
                 by_storage[key] = [ref]
@@ -337,10 +380,7 @@ class MutationContext:
         if not by_storage:
             return
         for tensor in written:
-            try:  # the storage key, as in _index_pending
-                key = tensor.untyped_storage()._cdata
-            except (NotImplementedError, RuntimeError):
-                key = None
+            key = _storage_key(tensor)
             if key in by_storage:
                 with self._lock:
                     self._clone_overlapping(key, tensor, resizes)
@@ -366,10 +406,10 @@ class MutationContext:
                     kept.append(ref)
                     continue
             # A tensor saved several times (same alias, same version) shares one clone.
-            geometry = _geometry(original)
-            clone = clones.get(geometry)
+            shared = _clone_key(original)
+            clone = clones.get(shared)
             if clone is None:
-                clone = clones[geometry] = original.clone()
+                clone = clones[shared] = original.clone()
             saved.tensor = clone
             self._cloned.add(weakref.ref(saved, self._cloned.discard))
         if kept:
@@ -422,23 +462,22 @@ class _GuardedPair:
 
     def pack(self, tensor: torch.Tensor) -> object:
         """Call the user's pack; track the tensor unless what pack returned is a real copy."""
-        # Tracked first: the user's pack may create autograd nodes, which would hide from the
-        # tracker that ``tensor`` is an output of the node saving it.
-        saved = self._context._track(tensor)
+        # Tested first: the user's pack may create autograd nodes, which would hide that
+        # ``tensor`` is an output of the node saving it.
+        is_output = _is_newest_output(tensor)
         packed = self._pack_hook(tensor)
         if _is_copy(packed, tensor):
-            return packed  # ``saved`` dies here and leaves the pending set
-        return _GuardedSave(saved, packed)
+            return packed
+        return _GuardedSave(self._context._track(tensor, is_output), packed)
 
     def unpack(self, stored: object) -> torch.Tensor:
-        """Call the user's unpack; hand back the save-time clone if the tensor was written."""
+        """Hand back the save-time clone if the tensor was written; else call the user's unpack."""
         if type(stored) is not _GuardedSave:
             return self._unpack_hook(stored)
         current = stored.saved.tensor  # raises once the context has exited
-        result = self._unpack_hook(stored.packed)
         if id(current) != stored.original_id:
             return current
-        return result
+        return self._unpack_hook(stored.packed)
 
 
 class _MutationGuard:
@@ -462,7 +501,7 @@ def _noop_pack(tensor: torch.Tensor) -> torch.Tensor:
 # Innermost pairs under which a write is safe: ours, guarded user pairs, and tensorhooks'
 # version guard (it raises at backward rather than handing back changed data). Compared by
 # identity: hashing a code object hashes its bytecode.
-_OWN_PACK_CODE: CodeType = _make_pack(set()).__code__
+_OWN_PACK_CODE: CodeType = _make_pack(set())[0].__code__
 _PROTECTED_PACK_CODES: tuple[CodeType, ...] = (
     _GuardedPair.pack.__code__,
     VersionGuard().wrap(_noop_pack, _noop_pack)[0].__code__,
@@ -617,6 +656,18 @@ class _CloneBeforeWriteMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     __torch_dispatch__ = _torch_dispatch
 
 
+def _mode_for_this_thread() -> contextlib.AbstractContextManager[object]:
+    """A new clone-before-write mode, or nothing if this thread's innermost mode is one already.
+
+    One mode protects every open context, so a nested context adds none: each operator goes
+    through one handler and each write protects each context once. A context entered under
+    another mode pushes its own, which sees the operators that mode does not forward.
+    """
+    if isinstance(_get_current_dispatch_mode(), _CloneBeforeWriteMode):
+        return contextlib.nullcontext()
+    return _CloneBeforeWriteMode()  # type: ignore[no-untyped-call]  # torch's __init__ is untyped
+
+
 @contextlib.contextmanager
 def allow_mutation_on_saved_tensors() -> Generator[MutationContext, None, None]:
     """Context manager under which tensors saved for backward may be changed in place.
@@ -672,8 +723,7 @@ def allow_mutation_on_saved_tensors() -> Generator[MutationContext, None, None]:
     context = MutationContext()
     _push_hooks(context._pack, _unpack)
     try:
-        # TorchDispatchMode.__init__ is untyped in torch.
-        with use_save_guard(context._guard), _CloneBeforeWriteMode():  # type: ignore[no-untyped-call]
+        with use_save_guard(context._guard), _mode_for_this_thread():
             with _open_contexts_lock:
                 _open_contexts = (*_open_contexts, context)
             try:

@@ -258,10 +258,12 @@ def offload_options() -> st.SearchStrategy[dict[str, object]]:
 # write (change some alias of an earlier tensor in place: in-place ops, ``out=``, foreach,
 # ``__setitem__``, a write through a dtype view). Aliases are chains of one or two views: slices,
 # strided slices, transposes, selects, diagonals, flat slices and ``as_strided`` windows anywhere in
-# the storage (so bases and unrelated-looking views are hit too). The loss sums the outputs of the
-# saving ops, each taken right after it ran, so its gradient only depends on the values each op
-# saw. ``isolated=True`` runs the reference: every saving op gets a clone of its input and hands
-# out a clone of its output, so no write can reach what backward reads and no context is needed.
+# the storage (so bases and unrelated-looking views are hit too); saving ops may also read a
+# negative view (same elements, other values; not every write accepts one). The loss sums the
+# outputs of the saving ops, each taken right after it ran, so its gradient only depends on the
+# values each op saw. ``isolated=True`` runs the reference: every saving op gets a clone of its
+# input and hands out a clone of its output, so no write can reach what backward reads and no
+# context is needed.
 
 MUTATION_SHAPE = (4, 6)
 
@@ -276,6 +278,7 @@ VIEW_KINDS = (
     "flat",
     "as_strided",
 )
+SAVE_VIEW_KINDS = (*VIEW_KINDS, "neg")
 
 
 @dataclass(frozen=True)
@@ -315,12 +318,14 @@ class View:
             room = elements - (row_stride + 2)
             if room >= 0:
                 return x.as_strided((2, 2), (row_stride, 1), b % (room + 1))
+        if kind == "neg":
+            return torch._neg_view(x)
         return x
 
 
-def views() -> st.SearchStrategy[tuple[View, ...]]:
-    """Chains of one or two views."""
-    view = st.builds(View, st.sampled_from(VIEW_KINDS), st.integers(0, 7), st.integers(0, 7))
+def views(kinds: Sequence[str] = VIEW_KINDS) -> st.SearchStrategy[tuple[View, ...]]:
+    """Chains of one or two views of the given kinds."""
+    view = st.builds(View, st.sampled_from(kinds), st.integers(0, 7), st.integers(0, 7))
     return st.lists(view, min_size=1, max_size=2).map(tuple)
 
 
@@ -451,12 +456,20 @@ def mutation_programs(draw: st.DrawFn, *, max_steps: int = 8) -> MutationProgram
     """Random mutation programs of 2 to ``max_steps`` steps, at least one of them a save."""
     n_steps = draw(st.integers(2, max_steps))
     steps: list[SaveStep | WriteStep] = [
-        SaveStep(draw(st.integers(0, 3)), draw(views()), draw(st.sampled_from(sorted(SAVING_OPS))))
+        SaveStep(
+            draw(st.integers(0, 3)),
+            draw(views(SAVE_VIEW_KINDS)),
+            draw(st.sampled_from(sorted(SAVING_OPS))),
+        )
     ]
     for _ in range(n_steps - 1):
         target = draw(st.integers(0, 7))
         if draw(st.booleans()):
-            steps.append(SaveStep(target, draw(views()), draw(st.sampled_from(sorted(SAVING_OPS)))))
+            steps.append(
+                SaveStep(
+                    target, draw(views(SAVE_VIEW_KINDS)), draw(st.sampled_from(sorted(SAVING_OPS)))
+                )
+            )
         else:
             steps.append(
                 WriteStep(

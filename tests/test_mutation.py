@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.autograd.graph as torch_graph
 from hypothesis import given
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import tensorhooks
 from tensorhooks import _mutation
@@ -382,20 +383,26 @@ class TestAllowMutationOnSavedTensors:
     # --- hooks pushed inside the context --------------------------------------------------------
 
     @pytest.mark.parametrize(
-        ("pack", "unpack"),
+        ("pack", "unpack", "tracked"),
         [
-            pytest.param(lambda t: t, lambda t: t, id="identity"),
-            pytest.param(lambda t: t.view(-1), lambda p: p, id="view"),
-            pytest.param(lambda t: [t.detach(), 3], lambda p: p[0], id="list_alias"),
-            pytest.param(lambda t: {"t": t}, lambda p: p["t"], id="unknown_object"),
-            pytest.param(lambda t: t.detach().clone(), lambda p: p, id="copy"),
+            pytest.param(lambda t: t, lambda t: t, True, id="identity"),
+            pytest.param(lambda t: t.view(-1), lambda p: p, True, id="view"),
+            pytest.param(lambda t: [t.detach(), 3], lambda p: p[0], True, id="list_alias"),
+            pytest.param(lambda t: {"t": t}, lambda p: p["t"], True, id="unknown_object"),
+            pytest.param(lambda t: t.detach().clone(), lambda p: p, False, id="copy"),
             pytest.param(
-                lambda t: (t.to(torch.float32), t.dtype), lambda p: p[0].to(p[1]), id="cast"
+                lambda t: (t.to(torch.float32), t.dtype),
+                lambda p: p[0].to(p[1]),
+                False,
+                id="cast",
             ),
         ],
     )
     def test_tensorhooks_hooks_inside_keep_the_protection(
-        self, pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor]
+        self,
+        pack: Callable[[torch.Tensor], Any],
+        unpack: Callable[[Any], torch.Tensor],
+        tracked: bool,
     ) -> None:
         """saved_tensors_hooks pushed inside are guarded: aliases packed as-is are cloned."""
         calls = []
@@ -414,15 +421,24 @@ class TestAllowMutationOnSavedTensors:
         got = grad_under(tensorhooks.allow_mutation_on_saved_tensors, program, leaf_4x6())
         expected = grad_under(None, lambda a: (a[1:] ** 2).sum(), leaf_4x6())
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
-        assert calls == [1]  # the user's unpack still runs
+        assert calls == ([] if tracked else [1])  # not run when the clone is handed back
 
     def test_copying_hooks_inside_track_nothing(self) -> None:
         """A pack that returns a real copy needs no protection: nothing is tracked or cloned."""
         a = leaf_4x6().requires_grad_()
         with tensorhooks.allow_mutation_on_saved_tensors() as ctx:
+            tracked: list[torch.Tensor] = []
+            track = ctx._track
+
+            def counting_track(tensor: torch.Tensor, is_output: bool) -> Any:
+                tracked.append(tensor)
+                return track(tensor, is_output)
+
+            ctx._track = counting_track
             b = a * 1
             with tensorhooks.saved_tensors_hooks(lambda t: t.detach().clone(), lambda p: p):
                 out = (b**2).sum()
+            assert tracked == []  # not even a handle made and dropped
             assert ctx.num_saved() == 0
             b.mul_(2.0)
             assert ctx.num_cloned() == 0
@@ -596,6 +612,29 @@ class TestAllowMutationOnSavedTensors:
         ):
             pass
 
+    def test_nested_contexts_share_one_dispatch_mode(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A nested context pushes no second mode: a write protects each context once."""
+        protected: list[_mutation.MutationContext] = []
+        protect = _mutation.MutationContext._protect
+
+        def counting(self: _mutation.MutationContext, *args: Any) -> None:
+            protected.append(self)
+            protect(self, *args)
+
+        monkeypatch.setattr(_mutation.MutationContext, "_protect", counting)
+        stack_len = torch._C._len_torch_dispatch_stack
+        with tensorhooks.allow_mutation_on_saved_tensors() as outer:
+            assert stack_len() == 1
+            with tensorhooks.allow_mutation_on_saved_tensors() as inner:
+                assert stack_len() == 1
+                torch.ones(3).mul_(2.0)
+                assert protected == [outer, inner]
+                with TorchDispatchMode(), tensorhooks.allow_mutation_on_saved_tensors():
+                    assert stack_len() == 3  # under another mode: its own, on top
+                assert stack_len() == 1
+            assert stack_len() == 1
+        assert stack_len() == 0
+
     def test_inner_graph_after_inner_exit_raises(self) -> None:
         """A graph recorded in the inner context needs its backward before the inner exits."""
         a = leaf_4x6().requires_grad_()
@@ -750,6 +789,32 @@ class TestAllowMutationOnSavedTensors:
             out.backward()
             assert (ctx.num_saved(), ctx.num_cloned()) == (0, 0)
 
+    @pytest.mark.parametrize(
+        ("complex_leaf", "view"),
+        [
+            pytest.param(True, torch.conj, id="conj"),
+            pytest.param(False, torch._neg_view, id="neg"),
+        ],
+    )
+    def test_conj_and_neg_views_get_their_own_clone(
+        self, complex_leaf: bool, view: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        """A tensor and its conj or neg view, saved and then written, do not share one clone."""
+
+        def program(a: torch.Tensor) -> torch.Tensor:
+            b = a * 1
+            product = b * view(b)  # saves b and its view: same elements, other values
+            b.mul_(10.0)
+            return (torch.view_as_real(product) if complex_leaf else product).sum()
+
+        leaf = torch.complex(leaf_4x6(), leaf_4x6().flip(0)) if complex_leaf else leaf_4x6()
+        expected = grad_under(None, reference(program), leaf)
+        got = grad_under(tensorhooks.allow_mutation_on_saved_tensors, program, leaf)
+        torch.testing.assert_close(got, expected)
+        assert torch.allclose(
+            grad_under(torch_graph.allow_mutation_on_saved_tensors, program, leaf), expected
+        )
+
     def test_dropped_graph_frees_everything(self) -> None:
         """A graph dropped without backward frees saved outputs and clones (no cycles)."""
         a = leaf_4x6().requires_grad_()
@@ -838,7 +903,4 @@ class TestAllowMutationOnSavedTensors:
 
 
 def _live_handles(ctx: _mutation.MutationContext) -> list[Any]:
-    refs = [*ctx._pending, *ctx._cloned]
-    for bucket in ctx._by_storage.values():
-        refs.extend(bucket)
-    return [saved for saved in (ref() for ref in refs) if saved is not None]
+    return [saved for saved in (ref() for ref in ctx._refs()) if saved is not None]
