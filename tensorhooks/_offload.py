@@ -28,6 +28,8 @@
 #    backward never asks for (``autograd.grad`` stopping early, a failed backward) are dropped
 #    with the graph task's state; their memory returns to the side stream's pool, where the next
 #    use is ordered after the pending copy. The prefetch state lives in the graph-task store.
+#    Prefetch stops at the first record of another forward pass (``_Timeline.forward_of``), so
+#    the backward of one micro-batch does not fetch the tensors of the one saved before it.
 # 4. Host buffers are reused only by the stream that used them. Pinned buffers come from a pool
 #    per device, keyed by byte size. A buffer returns to the pool when its record dies and is
 #    reused by the next device-to-host copy on the same side stream, which stream order puts
@@ -40,7 +42,8 @@
 # hands a freed address to the next tensor.
 #
 # What is not copied (CPU tensors, parameters and views of them, tensors under the size
-# threshold) is returned by pack as-is, so the save guard of ``saved_tensors_hooks`` checks its
+# threshold) is returned by pack as-is (a detached alias when it is an output of the node saving
+# it: see `is_output_of_saving_node`), so the save guard of ``saved_tensors_hooks`` checks its
 # version at unpack: changing it in place before backward raises autograd's error (torch's
 # ``save_on_cpu`` silently uses the changed value for CPU tensors). Under a guard that lets saved
 # tensors change (``allow_mutation_on_saved_tensors``), that guard handles what is not copied,
@@ -52,6 +55,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -64,10 +68,13 @@ from ._saved import (
     _ALIASED,
     SavedCopy,
     VersionGuard,
+    _peek_sequence_nr,
     _pop_hooks,
     _push_hooks,
     current_save_guard,
+    is_output_of_saving_node,
     modified_error,
+    modified_message,
     saved_tensors_hooks,
 )
 from ._store import graph_task_store
@@ -81,6 +88,16 @@ _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 # Below this many bytes a copy saves little memory and costs more in launch and bookkeeping
 # than it moves.
 _DEFAULT_MIN_OFFLOAD_BYTES = 1 << 20
+
+
+def _kept(tensor: torch.Tensor) -> torch.Tensor:
+    """What pack returns for a tensor it does not copy: the tensor, or a detached alias of it.
+
+    The alias is for a tensor saved by the node that produced it (see
+    `is_output_of_saving_node`): holding the tensor itself would keep a graph dropped without
+    backward alive forever.
+    """
+    return tensor.detach() if is_output_of_saving_node(tensor) else tensor
 
 
 def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
@@ -313,15 +330,37 @@ class _Timeline:
 
     ``records`` maps a sequence number to a live record; ``saved`` maps ``id(tensor)`` to
     ``(weak tensor, version at save, weak record)`` (see NOTE [Offloading saved tensors without
-    races] for why each part is needed).
+    races] for why each part is needed). ``forward`` numbers the forward passes (see
+    `forward_of`); ``entry`` is the context entry that made the latest record and ``node`` the
+    autograd sequence number of the node that saved it.
     """
 
-    __slots__ = ("__weakref__", "next_seq", "records", "saved")
+    __slots__ = ("__weakref__", "entry", "forward", "next_seq", "node", "records", "saved")
 
     def __init__(self) -> None:
         self.next_seq = 0
         self.records: weakref.WeakValueDictionary[int, _Offloaded] = weakref.WeakValueDictionary()
         self.saved: dict[int, tuple[weakref.ref[torch.Tensor], int, weakref.ref[Any]]] = {}
+        self.forward = 0
+        self.entry = -1
+        self.node = -1
+
+    def forward_of(self, tensor: torch.Tensor, entry: int) -> int:
+        """The number of the forward pass that a new offloaded save of ``tensor`` belongs to.
+
+        Called as pack starts. Records of one context entry share a forward. The first record of
+        another entry continues the forward of the latest record when ``tensor`` was computed
+        from what that record's node computed (one context per layer); otherwise (the next
+        micro-batch, another model) a new forward begins, and prefetch stops at its start.
+        """
+        node = _peek_sequence_nr() - 1  # the saving node (see is_output_of_saving_node)
+        if entry != self.entry:
+            self.entry = entry
+            latest = self.records.get(self.next_seq - 1)
+            if latest is None or not _computed_from(tensor.grad_fn, self.node):
+                self.forward += 1
+        self.node = node
+        return self.forward
 
     def find(self, tensor: torch.Tensor) -> _Offloaded | _HostCopy | None:
         """The live record of an earlier save of ``tensor`` at its current version, if any."""
@@ -332,8 +371,8 @@ class _Timeline:
         if tensor_ref() is not tensor or tensor._version != version:
             return None
         record: _Offloaded | _HostCopy | None = record_ref()
-        if record is not None:
-            record.uses += 1
+        if type(record) is _Offloaded:
+            record.uses += 1  # how many unpacks backward will make of a prefetched copy
         return record
 
     def remember(self, tensor: torch.Tensor, record: _Offloaded | _HostCopy) -> None:
@@ -349,16 +388,47 @@ class _Timeline:
         saved[key] = (weakref.ref(tensor, forget), tensor._version, weakref.ref(record))
 
 
+# How many autograd nodes `_computed_from` looks at before giving up (and answering True).
+_HISTORY_WALK_LIMIT = 64
+
+
+def _computed_from(grad_fn: Any, node: int) -> bool:
+    """Whether the node numbered ``node`` is ``grad_fn`` or in its history, on this thread.
+
+    A node's history is older than the node (smaller numbers; ``AccumulateGrad`` has the
+    largest number and no history), so the walk skips what is older than ``node``. Nodes of
+    other threads do not follow that order: after `_HISTORY_WALK_LIMIT` nodes the answer is
+    True, which only keeps prefetching as it was.
+    """
+    if grad_fn is None:
+        return False
+    stack = [grad_fn]
+    seen = {grad_fn}
+    while stack:
+        current = stack.pop()
+        number = current._sequence_nr()
+        if number == node:
+            return True
+        if number < node:
+            continue
+        if len(seen) > _HISTORY_WALK_LIMIT:
+            return True
+        for parent, _ in current.next_functions:
+            if parent is not None and parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return False
+
+
 class _HostCopy(SavedCopy):
     """A saved tensor copied to host memory on the current stream, the way torch does it."""
 
-    __slots__ = ("__weakref__", "device", "host", "non_blocking", "uses")
+    __slots__ = ("__weakref__", "device", "host", "non_blocking")
 
     def __init__(self, device: torch.device, host: torch.Tensor, non_blocking: bool) -> None:
         self.device = device
         self.host = host
         self.non_blocking = non_blocking
-        self.uses = 1
 
     def restore(self) -> torch.Tensor:
         """A new tensor on the original device with the saved value."""
@@ -390,6 +460,7 @@ class _Offloaded(SavedCopy):
         "dtype",
         "engine",
         "event",
+        "forward",
         "host",
         "prefetch",
         "raced",
@@ -411,6 +482,7 @@ class _Offloaded(SavedCopy):
         timeline: _Timeline,
         session: _Session,
     ) -> None:
+        self.forward = timeline.forward_of(tensor, session.entry)
         size = tuple(tensor.shape)
         stride = _copy_strides(tensor)
         nbytes = tensor.numel() * tensor.element_size()
@@ -490,6 +562,8 @@ class _Offloaded(SavedCopy):
             record = records.get(seq)
             if record is None or record.engine is not self.engine:
                 continue
+            if record.forward != self.forward:
+                break  # saved by another forward pass: not this graph task's, most likely
             session = record.session
             if session is not None:
                 session.fence_through(record)
@@ -501,13 +575,15 @@ def _raced_error(
     type_name: str, shape: list[int], version: int, saved_version: int
 ) -> SavedTensorModifiedError:
     return SavedTensorModifiedError(
-        "one of the variables needed for gradient computation has been modified by an inplace "
-        f"operation: [{type_name} {shape}] is at version {version}; expected version "
-        f"{saved_version} instead. Hint: save_on_cpu was still copying this tensor to host "
+        modified_message(type_name, shape, version, saved_version)
+        + " Hint: save_on_cpu was still copying this tensor to host "
         "memory on a side stream when it was changed in place, so the copy may hold the changed "
         "values. Change it only after the save_on_cpu context exits, change a clone instead, or "
         "pass max_in_flight=0 so that each copy is ordered before the ops that follow it."
     )
+
+
+_entry_numbers = itertools.count()
 
 
 class _Session:
@@ -524,17 +600,20 @@ class _Session:
         self.timelines = _thread_timelines if simulation is None else simulation.timelines
         self.pending: collections.deque[_Offloaded] = collections.deque()
         self.lock = threading.Lock()
+        self.entry = next(_entry_numbers)
 
-    def pack(self, tensor: torch.Tensor) -> object:
-        """Pack a tensor that is not on the CPU (or any tensor in the testing simulation)."""
+    def pack(self, tensor: torch.Tensor) -> _Offloaded | _HostCopy | torch.Tensor:
+        """Copy ``tensor`` (a record), or return it (or a detached alias) when it stays."""
+        if tensor.is_cpu and self.simulation is None:
+            return _kept(tensor)
         if not self.offload_parameters and (
             isinstance(tensor, _Parameter) or isinstance(tensor._base, _Parameter)
         ):
-            return tensor
+            return _kept(tensor)
         dense = type(tensor) in _PLAIN_TYPES and tensor.layout == torch.strided
         dense = dense and not tensor.is_nested and not tensor.is_quantized
         if dense and tensor.numel() * tensor.element_size() < self.min_offload_bytes:
-            return tensor
+            return _kept(tensor)
         device = tensor.device
         timeline = self._timeline(device)
         record = timeline.find(tensor)
@@ -602,32 +681,34 @@ class _Session:
 
 def _unpack(packed: _Offloaded | _HostCopy | torch.Tensor) -> torch.Tensor:
     if isinstance(packed, torch.Tensor):
-        return packed  # pack returned the tensor itself: the save guard checked its version
+        return packed  # pack kept the tensor (or an alias): the save guard checked its version
     return packed.restore()
 
 
 def _guarded_pair(
     session: _Session,
 ) -> tuple[Callable[[torch.Tensor], object], Callable[[Any], torch.Tensor]]:
-    """``VersionGuard().wrap(pack, _unpack)`` with the guard's work done inline.
+    """``VersionGuard().wrap(session.pack, _unpack)`` with the guard's work done inline.
 
     Same behaviour as the wrapped pair (the tests run both); one Python call fewer per pack and
     per unpack is what makes the CPU path cost no more than identity hooks.
     """
     slow = session.pack
+    peek = _peek_sequence_nr
 
     def pack(tensor: torch.Tensor) -> object:
         if tensor.is_cpu:
+            # `_kept`, inlined.
+            grad_fn = tensor.grad_fn
+            if grad_fn is not None and grad_fn._sequence_nr() == peek() - 1:
+                tensor = tensor.detach()
             return (_ALIASED, tensor, tensor, tensor._version)
-        packed = slow(tensor)
-        if packed is tensor:
-            return (_ALIASED, tensor, tensor, tensor._version)
-        return packed
+        return pack_any(tensor)
 
-    def pack_simulated(tensor: torch.Tensor) -> object:
+    def pack_any(tensor: torch.Tensor) -> object:
         packed = slow(tensor)
-        if packed is tensor:
-            return (_ALIASED, tensor, tensor, tensor._version)
+        if isinstance(packed, torch.Tensor):
+            return (_ALIASED, packed, packed, packed._version)
         return packed
 
     def unpack(
@@ -641,7 +722,7 @@ def _guarded_pair(
             return source
         return stored.restore()  # type: ignore[union-attr]  # not a guard record: an offload record
 
-    return (pack if session.simulation is None else pack_simulated), unpack
+    return (pack if session.simulation is None else pack_any), unpack
 
 
 _thread_timelines = threading.local()
@@ -720,7 +801,6 @@ class save_on_cpu(saved_tensors_hooks):
         max_in_flight: int = 4,
     ) -> None:
         for name, value, kind in (
-            ("pin_memory", pin_memory, bool),
             ("device_type", device_type, str),
             ("offload_parameters", offload_parameters, bool),
         ):
@@ -748,7 +828,7 @@ class save_on_cpu(saved_tensors_hooks):
                         "max_in_flight": "order every copy before the ops that follow it",
                     }[name]
                 )
-        self.pin_memory = pin_memory
+        self.pin_memory = bool(pin_memory)  # torch takes any truthy value
         self.device_type = device_type
         self.min_offload_bytes = min_offload_bytes
         self.offload_parameters = offload_parameters
@@ -764,22 +844,11 @@ class save_on_cpu(saved_tensors_hooks):
         """Pack outside any entry (a direct call of ``pack_hook``): fence the copy at once."""
         stack: list[_Session] | None = getattr(self._entries, "stack", None)
         if stack:
-            return self._cpu_fast_path(stack[-1])(tensor)
+            return stack[-1].pack(tensor)
         session = self._session()
-        packed = self._cpu_fast_path(session)(tensor)
+        packed = session.pack(tensor)
         session.close()
         return packed
-
-    @staticmethod
-    def _cpu_fast_path(session: _Session) -> Callable[[torch.Tensor], object]:
-        if session.simulation is not None:
-            return session.pack
-        slow = session.pack
-
-        def pack(tensor: torch.Tensor) -> object:
-            return tensor if tensor.is_cpu else slow(tensor)
-
-        return pack
 
     def __enter__(self) -> None:
         session = self._session()
@@ -791,7 +860,7 @@ class save_on_cpu(saved_tensors_hooks):
                 # A guard that lets saved tensors change (allow_mutation_on_saved_tensors):
                 # changes are expected, so each copy is ordered before the ops that follow it.
                 session.max_in_flight = 0
-            pack, unpack = guard.wrap(self._cpu_fast_path(session), _unpack)
+            pack, unpack = guard.wrap(session.pack, _unpack)
         _push_hooks(pack, unpack)
         stack: list[_Session] | None = getattr(self._entries, "stack", None)
         if stack is None:

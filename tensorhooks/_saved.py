@@ -53,6 +53,27 @@ UnpackHook = Callable[[Any], torch.Tensor]
 _is_alias_of: Callable[[torch.Tensor, torch.Tensor], bool] = torch._C._is_alias_of  # type: ignore[attr-defined]
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+# The sequence number the next autograd node created on this thread will get.
+_peek_sequence_nr: Callable[[], int] = torch._C._autograd._get_sequence_nr
+
+
+def is_output_of_saving_node(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``, given to a pack hook, is an output of the node that is saving it.
+
+    Holding such a tensor (``exp``, ``relu``, ``sigmoid``, a custom Function saving its result)
+    in what pack returns closes a reference cycle through the node's C++ saved variable that
+    Python's collector cannot see: a graph dropped without backward is never freed. Hold a
+    ``detach()`` of it instead (same storage and version counter, no ``grad_fn``).
+
+    Each node takes the next number of a per-thread counter when it is created, and autograd
+    creates a node before saving anything for it, so the saving node is the newest one: its
+    number is the counter minus one, and the nodes that produced its inputs are older. Call it
+    first thing in a pack hook, before anything that could create a node. A node created between
+    the saving node and the save (a custom Function applied inside another's forward) makes it
+    answer False: the tensor is then held as it is, as before.
+    """
+    grad_fn = tensor.grad_fn
+    return grad_fn is not None and grad_fn._sequence_nr() == _peek_sequence_nr() - 1
 
 
 class SavedCopy:
@@ -92,16 +113,23 @@ def _aliases(packed: object, tensor: torch.Tensor) -> bool:
     return False
 
 
+def modified_message(type_name: str, shape: list[int], version: int, saved_version: int) -> str:
+    """The first sentence of autograd's in-place error, to which callers add their hint."""
+    return (
+        "one of the variables needed for gradient computation has been modified by an inplace "
+        f"operation: [{type_name} {shape}] is at version {version}; expected version "
+        f"{saved_version} instead."
+    )
+
+
 def modified_error(tensor: torch.Tensor, saved_version: int) -> SavedTensorModifiedError:
     """Build autograd's in-place error for ``tensor``, saved at ``saved_version``."""
     return SavedTensorModifiedError(
-        "one of the variables needed for gradient computation has been modified by an inplace "
-        f"operation: [{tensor.type()} {list(tensor.shape)}] is at version {tensor._version}; "
-        f"expected version {saved_version} instead. Hint: the pack hook returned a tensor that "
-        "shares storage with the saved tensor, so backward would have read the changed values. "
-        "Return a copy from pack_hook (e.g. tensor.clone()), avoid changing the tensor in place "
-        "before backward, or run the forward pass under "
-        "tensorhooks.allow_mutation_on_saved_tensors()."
+        modified_message(tensor.type(), list(tensor.shape), tensor._version, saved_version)
+        + " Hint: the pack hook returned a tensor that shares storage with the saved tensor, so "
+        "backward would have read the changed values. Return a copy from pack_hook (e.g. "
+        "tensor.clone()), avoid changing the tensor in place before backward, or run the forward "
+        "pass under tensorhooks.allow_mutation_on_saved_tensors()."
     )
 
 

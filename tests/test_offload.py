@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import inspect
 import re
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -160,8 +163,7 @@ class TestSaveOnCpu:
     @pytest.mark.parametrize(
         ("kwargs", "match"),
         [
-            ({"pin_memory": 1}, r"save_on_cpu: pin_memory must be a bool, got 1 of type int"),
-            ({"device_type": None}, r"device_type must be a str, got None of type NoneType"),
+            ({"device_type": None}, r"save_on_cpu: device_type must be a str, got None of type"),
             ({"offload_parameters": "yes"}, r"offload_parameters must be a bool, got 'yes'"),
             ({"prefetch": True}, r"prefetch must be an int, got True of type bool"),
             ({"max_in_flight": 1.5}, r"max_in_flight must be an int, got 1.5 of type float"),
@@ -173,6 +175,21 @@ class TestSaveOnCpu:
             th.save_on_cpu(**kwargs)
         with pytest.raises(TypeError):
             th.save_on_cpu(**kwargs)
+
+    @pytest.mark.parametrize(
+        ("value", "expected"), [(1, True), (0, False), ("yes", True), (None, False)]
+    )
+    def test_pin_memory_takes_any_truthy_value(self, value: object, expected: bool) -> None:
+        """pin_memory is read as a truth value, as torch's save_on_cpu reads it."""
+        hooks = th.save_on_cpu(value)  # type: ignore[arg-type]  # torch accepts it
+        assert hooks.pin_memory is expected
+        torch.autograd.graph.save_on_cpu(value)  # type: ignore[arg-type]
+        x = torch.randn(4, requires_grad=True)
+        with hooks:
+            y = x.exp()
+        y.sum().backward()
+        assert x.grad is not None
+        torch.testing.assert_close(x.grad, x.detach().exp())
 
     @pytest.mark.parametrize("name", ["min_offload_bytes", "prefetch", "max_in_flight"])
     def test_negative_numbers_raise(self, name: str) -> None:
@@ -251,6 +268,32 @@ class TestSaveOnCpu:
             y.add_(1)
         assert x.grad is not None
         torch.testing.assert_close(x.grad, x.detach().exp())
+
+    @pytest.mark.parametrize("op", ["exp", "tanh", "relu", "sigmoid"])
+    @pytest.mark.parametrize(
+        "where", ["cpu", "small tensor", "allow_mutation", "direct pack_hook call"]
+    )
+    def test_graph_dropped_without_backward_is_freed(
+        self, guard_path: None, op: str, where: str
+    ) -> None:
+        """A graph whose nodes save their own outputs is freed when dropped without backward."""
+        x = torch.randn(16, requires_grad=True)
+        hooks = th.save_on_cpu(pin_memory=where == "small tensor")
+        with contextlib.ExitStack() as stack:
+            if where == "small tensor":
+                stack.enter_context(_offload_cpu_tensors_for_testing())
+            if where == "allow_mutation":
+                stack.enter_context(th.allow_mutation_on_saved_tensors())
+            if where == "direct pack_hook call":
+                stack.enter_context(th.saved_tensors_hooks(hooks.pack_hook, hooks.unpack_hook))
+            else:
+                stack.enter_context(hooks)
+            y = getattr(x.sin(), op)()
+            loss = y.sum()
+            dropped = weakref.ref(y)
+            del y, loss
+            gc.collect()
+            assert dropped() is None
 
     # --- offload logic, on the simulated device --------------------------------------------
 
@@ -788,6 +831,34 @@ class TestSaveOnCpu:
             h.sum().backward()
         for seq in range(3):
             assert sim.log.index(("to_device", seq)) < sim.log.index(("hand_over", seq + 1))
+
+    def test_prefetch_stays_within_one_forward(self) -> None:
+        """Two forwards, then their backwards: each backward fetches only its own tensors once."""
+        w = torch.nn.Parameter(torch.randn(8, 8))
+        expected = []
+        for seed in range(2):
+            torch.manual_seed(seed)
+            h = torch.randn(4, 8)
+            for _ in range(3):
+                h = (h @ w).tanh()
+            expected.append(torch.autograd.grad(h.sum(), w)[0])
+        with _offload_cpu_tensors_for_testing() as sim:
+            losses = []
+            for seed in range(2):  # gradient accumulation: the micro-batch forwards come first
+                torch.manual_seed(seed)
+                with th.save_on_cpu(pin_memory=True, min_offload_bytes=0, prefetch=2):
+                    h = torch.randn(4, 8)
+                    for _ in range(3):
+                        h = (h @ w).tanh()
+                    losses.append(h.sum())
+            assert copies(sim) == list(range(8))  # per micro-batch: h, then three tanh outputs
+            sim.log.clear()
+            grads = [torch.autograd.grad(losses[1], w)[0]]
+            assert copies(sim, "to_device") == [7, 6, 5, 4]
+            grads.insert(0, torch.autograd.grad(losses[0], w)[0])
+            assert copies(sim, "to_device") == [7, 6, 5, 4, 3, 2, 1, 0]
+        for got, want in zip(grads, expected, strict=True):
+            torch.testing.assert_close(got, want)
 
     def test_pinned_buffers_are_reused_across_steps(self) -> None:
         """The second step allocates no host buffers; all are back in the pool after backward."""
