@@ -81,8 +81,10 @@ from ._saved import (
     UnpackHook,
     VersionGuard,
     _is_alias_of,
+    _peek_sequence_nr,
     _pop_hooks,
     _push_hooks,
+    is_output_of_saving_node,
     use_save_guard,
 )
 
@@ -111,7 +113,6 @@ _set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
 _is_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
 _PYTHON_KEY = torch._C.DispatchKey.Python
 # The sequence number the next autograd node created on this thread will get.
-_peek_sequence_nr: Callable[[], int] = torch._C._autograd._get_sequence_nr
 
 # Tensor types whose detach never needs Python dispatch (no __torch_dispatch__ of their own).
 _PLAIN_TENSOR_TYPES = frozenset(
@@ -162,12 +163,6 @@ class _SavedTensor:
 
 
 _unpack: Callable[[_SavedTensor], torch.Tensor] = operator.attrgetter("tensor")
-
-
-def _is_newest_output(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is an output of the node created last on this thread: the saving node."""
-    grad_fn = tensor.grad_fn
-    return grad_fn is not None and grad_fn._sequence_nr() == _peek_sequence_nr() - 1
 
 
 def _detached(tensor: torch.Tensor) -> torch.Tensor:
@@ -464,7 +459,7 @@ class _GuardedPair:
         """Call the user's pack; track the tensor unless what pack returned is a real copy."""
         # Tested first: the user's pack may create autograd nodes, which would hide that
         # ``tensor`` is an output of the node saving it.
-        is_output = _is_newest_output(tensor)
+        is_output = is_output_of_saving_node(tensor)
         packed = self._pack_hook(tensor)
         if _is_copy(packed, tensor):
             return packed

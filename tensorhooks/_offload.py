@@ -691,7 +691,7 @@ def _guarded_pair(
     """``VersionGuard().wrap(session.pack, _unpack)`` with the guard's work done inline.
 
     Same behaviour as the wrapped pair (the tests run both); one Python call fewer per pack and
-    per unpack is what makes the CPU path cost no more than identity hooks.
+    per unpack keeps the CPU path near the cost of identity hooks (see docs/performance.md).
     """
     slow = session.pack
     peek = _peek_sequence_nr
