@@ -183,39 +183,26 @@ def _cpu_modes() -> tuple[dict[str, Step], list[_Row]]:
             register(parameters[index : index + 2], lambda grads: None)
         steps[name] = step_under(contextlib.nullcontext, model)
 
-    missing = "not in this build"
+    steps["ours offload"] = step_under(tensorhooks.save_on_cpu, plain_model)
+    steps["ours mutation"] = step_under(tensorhooks.allow_mutation_on_saved_tensors, plain_model)
     rows = [
         _Row("saved_tensors_hooks (identity pair)", "torch hooks", "ours hooks"),
         _Row("register_multi_grad_hook (50 buckets)", "torch multigrad", "ours multigrad"),
+        _Row(
+            "save_on_cpu (CPU tensors)",
+            "torch offload",
+            "ours offload",
+            "ours hooks",
+            "identity hooks",
+        ),
+        _Row(
+            "allow_mutation_on_saved_tensors",
+            "torch mutation",
+            "ours mutation",
+            "no-op mode",
+            "a no-op TorchDispatchMode",
+        ),
     ]
-    if hasattr(tensorhooks, "save_on_cpu"):
-        steps["ours offload"] = step_under(tensorhooks.save_on_cpu, plain_model)
-        rows.append(
-            _Row(
-                "save_on_cpu (CPU tensors)",
-                "torch offload",
-                "ours offload",
-                "ours hooks",
-                "identity hooks",
-            )
-        )
-    else:
-        rows.append(_Row("save_on_cpu (CPU tensors)", "torch offload", None, note=missing))
-    if hasattr(tensorhooks, "allow_mutation_on_saved_tensors"):
-        steps["ours mutation"] = step_under(
-            tensorhooks.allow_mutation_on_saved_tensors, plain_model
-        )
-        rows.append(
-            _Row(
-                "allow_mutation_on_saved_tensors",
-                "torch mutation",
-                "ours mutation",
-                "no-op mode",
-                "a no-op TorchDispatchMode",
-            )
-        )
-    else:
-        rows.append(_Row("allow_mutation_on_saved_tensors", "torch mutation", None, note=missing))
     rows.append(
         _Row("no-op TorchDispatchMode", "no-op mode", None, note="reference: the cost of any mode")
     )
@@ -302,10 +289,9 @@ def run_offload(
         "plain autograd": contextlib.nullcontext,
         f"torch save_on_cpu(pin_memory={cuda})": partial(torch_graph.save_on_cpu, pin_memory=cuda),
     }
-    if hasattr(tensorhooks, "save_on_cpu"):
-        contexts[f"tensorhooks save_on_cpu(pin_memory={cuda})"] = partial(
-            tensorhooks.save_on_cpu, pin_memory=cuda
-        )
+    contexts[f"tensorhooks save_on_cpu(pin_memory={cuda})"] = partial(
+        tensorhooks.save_on_cpu, pin_memory=cuda
+    )
 
     def step_under(context: Callable[[], contextlib.AbstractContextManager[Any]]) -> Step:
         def step() -> None:
@@ -422,7 +408,7 @@ def write_chart(report: BenchReport, path: Path) -> str:
     ):
         bars = cpu.bar([i + offset for i in range(len(compared))], values, width, label=label)
         cpu.bar_label(bars, fmt="%.2f", fontsize=7)
-    # Modes measured under torch only (references, features missing from this build): grey.
+    # Modes measured under torch only (references): grey.
     bars = cpu.bar(
         [len(compared) + i for i in range(len(references))],
         [row.torch_ratio or 0.0 for row in references],

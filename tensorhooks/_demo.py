@@ -7,9 +7,6 @@ non-deterministic kernels). The optimizer then steps with plain autograd's gradi
 feature sees the same weights. What each feature did is counted from the outside, with hooks and
 counters the demo owns: bytes saved for backward, bytes kept off the device, saved tensors changed
 in place, hooks fired.
-
-A feature missing from this build (``hasattr(tensorhooks, name)`` is false) is listed as not
-available instead of failing, so the demo runs on any build.
 """
 
 from __future__ import annotations
@@ -58,7 +55,6 @@ class FeatureRow:
     """One line of the demo's table."""
 
     feature: str
-    available: bool = True
     what: str = ""
     max_diff: float = 0.0
     exact: bool = True
@@ -98,8 +94,8 @@ class DemoResult:
 
     @property
     def all_matched(self) -> bool:
-        """Whether every available feature reproduced plain autograd's gradients."""
-        return all(row.matched for row in self.rows if row.available)
+        """Whether every feature reproduced plain autograd's gradients."""
+        return all(row.matched for row in self.rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,11 +261,6 @@ def format_bytes(count: float) -> str:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def feature_api(name: str) -> Any:
-    """``tensorhooks.<name>``, looked up when used: builds without the feature still import."""
-    return getattr(tensorhooks, name)
-
-
 def _backward(loss: torch.Tensor) -> None:
     loss.backward()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
 
@@ -305,11 +296,6 @@ class Feature:
     """One row of the demo: a way of running forward + backward, and what it counts."""
 
     name = "plain autograd"
-    requires: tuple[str, ...] = ()
-
-    def available(self) -> bool:
-        """Whether this build of tensorhooks has everything the feature needs."""
-        return all(hasattr(tensorhooks, name) for name in self.requires)
 
     def instrument(
         self, model: TinyTransformer, batch: tuple[torch.Tensor, torch.Tensor], config: DemoConfig
@@ -358,7 +344,6 @@ class SaveOnCpu(Feature):
     """Activations saved in host memory until backward needs them."""
 
     name = "save_on_cpu"
-    requires = ("save_on_cpu",)
 
     def __init__(self, plain: Plain) -> None:
         self.plain = plain
@@ -368,9 +353,7 @@ class SaveOnCpu(Feature):
     def _context(self) -> contextlib.AbstractContextManager[Any]:
         # Pinned host memory only makes sense with a GPU to copy from.
         pin = self.device.startswith("cuda")
-        save_on_cpu = feature_api("save_on_cpu")
-        context: contextlib.AbstractContextManager[Any] = save_on_cpu(pin_memory=pin)
-        return context
+        return tensorhooks.save_on_cpu(pin_memory=pin)
 
     def instrument(
         self, model: TinyTransformer, batch: tuple[torch.Tensor, torch.Tensor], config: DemoConfig
@@ -401,7 +384,6 @@ class AllowMutation(Feature):
     """In-place residual adds on tensors saved for backward."""
 
     name = "allow_mutation_on_saved_tensors"
-    requires = ("allow_mutation_on_saved_tensors",)
 
     def __init__(self) -> None:
         self.census = SavedCensus()
@@ -420,7 +402,7 @@ class AllowMutation(Feature):
     def step(
         self, model: TinyTransformer, batch: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
-        with feature_api("allow_mutation_on_saved_tensors")():
+        with tensorhooks.allow_mutation_on_saved_tensors():
             loss: torch.Tensor = model(*batch, inplace=True)
             _backward(loss)
         return loss
@@ -437,7 +419,6 @@ class SavedTensorsHooks(Feature):
     """A pack/unpack pair that counts the tensors going through it."""
 
     name = "saved_tensors_hooks"
-    requires = ("saved_tensors_hooks",)
 
     def __init__(self) -> None:
         self.packed = 0
@@ -474,7 +455,6 @@ class DisableSavedTensorsHooks(Feature):
     """A model whose blocks try to install hooks, run inside a region that refuses them."""
 
     name = "disable_saved_tensors_hooks"
-    requires = ("disable_saved_tensors_hooks", "saved_tensors_hooks")
 
     def __init__(self) -> None:
         self.refused = 0
@@ -522,7 +502,6 @@ class MultiGradHook(Feature):
     """One "all" hook per bucket of parameters, like a data-parallel reducer's."""
 
     name = "register_multi_grad_hook"
-    requires = ("register_multi_grad_hook",)
 
     def __init__(self) -> None:
         self.buckets = 0
@@ -604,16 +583,10 @@ def run_demo(config: DemoConfig, console: Console) -> DemoResult:
     model = TinyTransformer(config).to(config.device)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
     plain, shown = features()
-    active = [feature for feature in shown if feature.available()]
     rows = {feature.name: FeatureRow(feature.name) for feature in [plain, *shown]}
-    for feature in shown:
-        if feature not in active:
-            missing = ", ".join(n for n in feature.requires if not hasattr(tensorhooks, n))
-            rows[feature.name].available = False
-            rows[feature.name].what = f"not available in this build (tensorhooks.{missing} missing)"
 
     losses: list[float] = []
-    runs: list[Feature] = [plain, *active]
+    runs: list[Feature] = [plain, *shown]
     with console.progress(1 + config.steps * len(runs), "measuring what is saved") as progress:
         first = make_batch(config, 0)
         for feature in runs:
@@ -638,7 +611,7 @@ def run_demo(config: DemoConfig, console: Console) -> DemoResult:
             if plain.name not in grads:
                 raise RuntimeError(f"plain autograd failed: {rows[plain.name].error}")
             reference = grads[plain.name]
-            for feature in active:
+            for feature in shown:
                 if feature.name in grads:
                     rows[feature.name].compare(grads[feature.name], reference)
             for parameter, grad in zip(model.parameters(), reference, strict=True):
@@ -686,9 +659,6 @@ def result_table(result: DemoResult) -> tuple[list[str], list[list[str]]]:
     reference = result.rows[0].times
     rows = []
     for index, row in enumerate(result.rows):
-        if not row.available:
-            rows.append([row.feature, "-", "-", "-", row.what])
-            continue
         if index == 0:
             rows.append([row.feature, "(reference)", "-", "1.00x", row.what])
             continue
