@@ -6,22 +6,23 @@ Run: python benchmarks/hooks.py [--rounds N]
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
-from pathlib import Path
+from typing import Any
 
 import torch
 import torch.autograd.graph as torch_graph
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from harness import interleaved_medians, mlp, print_table
-
 import tensorhooks
+from tensorhooks.cli._harness import Timings, check_target, interleaved, print_table
+from tensorhooks.cli._models import LlamaConfig, TinyLlama, make_tokens, mlp
+
+TRANSFORMER = (
+    "a tiny Llama/Mixtral-style transformer (4 layers, d_model 64, 4 heads, rotary, RMSNorm, "
+    "SwiGLU, 2 MoE layers of 4 experts top-2; batch 2 x 32 tokens, causal-LM loss)"
+)
 
 
-def identity_hooks(rounds: int) -> dict[str, float]:
+def identity_hooks(rounds: int) -> Timings:
     model = mlp(50)
     batch = torch.randn(8, 64)
 
@@ -36,7 +37,7 @@ def identity_hooks(rounds: int) -> dict[str, float]:
 
         return run
 
-    medians = interleaved_medians(
+    timings = interleaved(
         {
             "plain autograd": step(None),
             "torch saved_tensors_hooks": step(
@@ -50,13 +51,60 @@ def identity_hooks(rounds: int) -> dict[str, float]:
     )
     print_table(
         "Identity saved_tensors_hooks, fwd+bwd of 50 x Linear(64, 64), batch 8",
-        medians,
+        timings,
         "torch saved_tensors_hooks",
     )
-    return medians
+    ratio = timings.ratio("tensorhooks saved_tensors_hooks", "torch saved_tensors_hooks")
+    check_target("identity hooks, tensorhooks / torch", ratio.median, at_most=1.10)
+    return timings
 
 
-def multi_grad_hooks(rounds: int) -> dict[str, float]:
+def identity_hooks_transformer(rounds: int) -> Timings:
+    config = LlamaConfig()
+    model = TinyLlama(config)
+    tokens = make_tokens(config)
+
+    def identity(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def step(hooks: Callable[[], Any] | None) -> Callable[[], None]:
+        def run() -> None:
+            model.zero_grad(set_to_none=True)
+            if hooks is None:
+                loss = model(tokens)
+            else:
+                with hooks():
+                    loss = model(tokens)
+            loss.backward()  # type: ignore[no-untyped-call]
+
+        return run
+
+    timings = interleaved(
+        {
+            "plain autograd": step(None),
+            "torch saved_tensors_hooks": step(
+                lambda: torch_graph.saved_tensors_hooks(identity, identity)
+            ),
+            "tensorhooks saved_tensors_hooks": step(
+                lambda: tensorhooks.saved_tensors_hooks(identity, identity)
+            ),
+        },
+        rounds=rounds,
+    )
+    print_table(
+        f"Identity saved_tensors_hooks, fwd+bwd of {TRANSFORMER}",
+        timings,
+        "torch saved_tensors_hooks",
+    )
+    ratio = timings.ratio("tensorhooks saved_tensors_hooks", "torch saved_tensors_hooks")
+    print(f"tensorhooks / torch per round: {ratio.format(digits=3)}")
+    check_target(
+        "identity hooks on the transformer, tensorhooks / torch", ratio.median, at_most=1.10
+    )
+    return timings
+
+
+def multi_grad_hooks(rounds: int) -> Timings:
     # One identical model per variant, hooks registered once (as in real use), steps interleaved.
     fired = [0]
 
@@ -80,11 +128,12 @@ def multi_grad_hooks(rounds: int) -> dict[str, float]:
                 register(bucket, on_bucket)
         variants[name] = lambda model=model: model(batch).sum().backward()
 
-    medians = interleaved_medians(variants, rounds=rounds, inner=5)
+    timings = interleaved(variants, rounds=rounds, inner=5)
+    medians = {name: timings.median(name) for name in variants}
     print_table(
         "Multi-grad hooks, mode='all', 400 parameters in 50 buckets, "
         "fwd+bwd of 200 x Linear(64, 64), batch 8",
-        medians,
+        timings,
         "torch register_multi_grad_hook",
     )
     base = medians["no hooks"]
@@ -94,16 +143,24 @@ def multi_grad_hooks(rounds: int) -> dict[str, float]:
         f"hook cost over no hooks: torch {torch_cost * 1e3:.3f} ms, tensorhooks "
         f"{ours_cost * 1e3:.3f} ms per step"
     )
-    return medians
+    ratio = timings.ratio("tensorhooks register_multi_grad_hook", "torch register_multi_grad_hook")
+    check_target("multi-grad hooks step, tensorhooks / torch", ratio.median, at_most=1.10)
+    return timings
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument(
+        "--only", choices=("mlp", "transformer", "multigrad"), help="run one benchmark only"
+    )
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    identity_hooks(args.rounds)
-    multi_grad_hooks(args.rounds)
+    if args.only in (None, "mlp"):
+        identity_hooks(args.rounds)
+    if args.only in (None, "transformer"):
+        identity_hooks_transformer(args.rounds)
+    if args.only in (None, "multigrad"):
+        multi_grad_hooks(args.rounds)
 
 
 if __name__ == "__main__":

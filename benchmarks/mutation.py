@@ -2,7 +2,7 @@
 
 Model: 50 x Linear(64, 64) with ReLU between, batch 8, one intra-op thread. Every variant enters
 its context once per step, as a training loop would; variants are interleaved round by round
-(benchmarks/harness.py) and medians compared:
+(the harness in tensorhooks.cli._harness) and medians compared:
 
 - ``plain autograd``: no context (for reference).
 - ``bare mode``: a no-op TorchDispatchMode, ``__torch_dispatch__`` only calling
@@ -16,33 +16,34 @@ Two scenarios: gradients set to None before each step (backward writes nothing i
 gradients accumulated across steps (backward adds into ``.grad`` in place: 100 writing ops per
 step that the contexts must check).
 
-Run: python benchmarks/mutation.py [--rounds N]
+The same two scenarios run on a tiny Llama/Mixtral-style transformer (rotary attention with a
+causal mask, RMSNorm, SwiGLU, top-2 mixture of experts whose routing weights are renormalised in
+place and whose experts' outputs are combined with ``index_add_``; causal-LM loss): real model
+code has more operators per saved tensor, and writes in place in its forward pass.
+
+Run: python benchmarks/mutation.py [--rounds N] [--model mlp|transformer]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.autograd.graph as torch_graph
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from harness import interleaved_medians, mlp, print_table
-
 import tensorhooks
+from tensorhooks.cli._harness import Timings, check_target, interleaved, print_table
+from tensorhooks.cli._models import LlamaConfig, NoOpMode, TinyLlama, make_tokens, mlp
 
-
-class BareMode(TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        return func(*args, **(kwargs or {}))
+BareMode = NoOpMode
+TRANSFORMER = (
+    "a tiny Llama/Mixtral-style transformer (4 layers, d_model 64, 4 heads, rotary, RMSNorm, "
+    "SwiGLU, 2 MoE layers of 4 experts top-2; batch 2 x 32 tokens, causal-LM loss)"
+)
 
 
 class BareModeNoDynamoWrapper(TorchDispatchMode):
@@ -63,9 +64,21 @@ CONTEXTS: dict[str, Callable[[], Any] | None] = {
 }
 
 
-def scenario(title: str, rounds: int, *, accumulate: bool) -> dict[str, float]:
-    model = mlp(50, last_relu=False)
-    batch = torch.randn(8, 64)
+def scenario(title: str, rounds: int, *, accumulate: bool, transformer: bool = False) -> Timings:
+    if transformer:
+        config = LlamaConfig()
+        model: torch.nn.Module = TinyLlama(config)
+        tokens = make_tokens(config)
+
+        def loss() -> torch.Tensor:
+            return model(tokens)  # type: ignore[no-any-return]
+    else:
+        model = mlp(50, last_relu=False)
+        batch = torch.randn(8, 64)
+
+        def loss() -> torch.Tensor:
+            return model(batch).sum()  # type: ignore[no-any-return]
+
     params = list(model.parameters())
 
     def step(context: Callable[[], Any] | None) -> Callable[[], None]:
@@ -74,45 +87,67 @@ def scenario(title: str, rounds: int, *, accumulate: bool) -> dict[str, float]:
                 for param in params:  # what zero_grad(set_to_none=True) does, 10x cheaper
                     param.grad = None
             if context is None:
-                model(batch).sum().backward()
+                loss().backward()  # type: ignore[no-untyped-call]
                 return
             with context():
-                model(batch).sum().backward()
+                loss().backward()  # type: ignore[no-untyped-call]
 
         return run
 
-    medians = interleaved_medians(
+    timings = interleaved(
         {name: step(context) for name, context in CONTEXTS.items()}, rounds=rounds
     )
-    print_table(title, medians, "torch")
-    ours = medians["tensorhooks"]
-    print(f"speedup over torch's context: {medians['torch'] / ours:.2f}x (target >= 1.6x)")
-    print(f"ratio to the bare mode: {ours / medians['bare mode']:.3f} (target <= 1.15)")
+    print_table(title, timings, "torch")
+    ratio = timings.ratio("tensorhooks", "torch")
+    speedup = 1 / ratio.median
+    print(
+        f"speedup over torch's context per round: {speedup:.3f}x "
+        f"({1 / ratio.high:.3f}-{1 / ratio.low:.3f})"
+    )
+    check_target("speedup over torch's context", speedup, at_least=1.6)
+    check_target(
+        "ratio to the bare mode", timings.ratio("tensorhooks", "bare mode").median, at_most=1.15
+    )
     print(
         "ratio to the bare mode without its dynamo wrapper: "
-        f"{ours / medians['bare mode, no dynamo wrapper']:.3f}"
+        f"{timings.ratio('tensorhooks', 'bare mode, no dynamo wrapper').format()}"
     )
-    return medians
+    return timings
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--model", choices=("mlp", "transformer"), help="one model only")
     args = parser.parse_args()
-    torch.set_num_threads(1)
     # Objects made at import time are not rescanned by every collection, for every variant.
     gc.collect()
     gc.freeze()
-    scenario(
-        "fwd+bwd of 50 x Linear(64, 64) + ReLU, batch 8, gradients set to None before each step",
-        args.rounds,
-        accumulate=False,
-    )
-    scenario(
-        "the same, gradients accumulated in place across steps",
-        args.rounds,
-        accumulate=True,
-    )
+    if args.model in (None, "mlp"):
+        scenario(
+            "fwd+bwd of 50 x Linear(64, 64) + ReLU, batch 8, gradients set to None before each "
+            "step",
+            args.rounds,
+            accumulate=False,
+        )
+        scenario(
+            "the same, gradients accumulated in place across steps",
+            args.rounds,
+            accumulate=True,
+        )
+    if args.model in (None, "transformer"):
+        scenario(
+            f"fwd+bwd of {TRANSFORMER}, gradients set to None before each step",
+            args.rounds,
+            accumulate=False,
+            transformer=True,
+        )
+        scenario(
+            "the same transformer, gradients accumulated in place across steps",
+            args.rounds,
+            accumulate=True,
+            transformer=True,
+        )
 
 
 if __name__ == "__main__":

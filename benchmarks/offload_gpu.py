@@ -27,33 +27,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional
 
 import tensorhooks
-from tensorhooks import _offload
+from tensorhooks.cli._models import FusedAttentionBlock as Block
 
 MiB = 1 << 20
 GB = 1e9
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.ln2 = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, 4 * d)
-        self.fc2 = nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        qkv = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, d // self.heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)
-        attn = functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, s, d))
-        return x + self.fc2(functional.gelu(self.fc1(self.ln2(x))))
 
 
 def pinned_bandwidth(nbytes: int = 256 * MiB, repeats: int = 5) -> tuple[float, float]:
@@ -190,15 +169,17 @@ def bytes_moved(steps: dict[str, Callable[[], None]]) -> dict[str, tuple[int, in
     """Bytes copied device-to-host and host-to-device in one step of each setting."""
     COUNTER.packed = COUNTER.unpacked = 0
     steps["count"]()
-    engine = _offload._stream_engine(torch.device("cuda", torch.cuda.current_device()))
-    assert engine is not None, "tensorhooks found no side-stream engine for CUDA"
-    before = engine.bytes_to_host, engine.bytes_to_device
+    before = tensorhooks.save_on_cpu.stats("cuda")
     steps["tensorhooks"]()
     torch.cuda.synchronize()
+    after = tensorhooks.save_on_cpu.stats("cuda")
     return {
         "none": (0, 0),
         "torch": (COUNTER.packed, COUNTER.unpacked),
-        "tensorhooks": (engine.bytes_to_host - before[0], engine.bytes_to_device - before[1]),
+        "tensorhooks": (
+            after.bytes_to_host - before.bytes_to_host,
+            after.bytes_to_device - before.bytes_to_device,
+        ),
     }
 
 

@@ -21,26 +21,17 @@ import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from tensorhooks.cli._harness import Spread, check_target
+from tensorhooks.cli._models import mlp
 from tensorhooks.distributed import sync_gradients
 
 WORLD_SIZE = 2
-
-
-def mlp(width: int, layers: int) -> nn.Sequential:
-    torch.manual_seed(0)
-    blocks: list[nn.Module] = []
-    for _ in range(layers):
-        blocks += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*blocks)
 
 
 def worker(rank: int, port: int, args: argparse.Namespace) -> None:
@@ -52,7 +43,7 @@ def worker(rank: int, port: int, args: argparse.Namespace) -> None:
         world_size=WORLD_SIZE,
         timeout=timedelta(seconds=300),
     )
-    base = mlp(args.width, args.layers)
+    base = mlp(args.layers, args.width)
     ddp = DistributedDataParallel(copy.deepcopy(base))
     ours = copy.deepcopy(base)
     handle = sync_gradients(ours, bucket_cap_mb=args.bucket_cap_mb)
@@ -102,13 +93,18 @@ def worker(rank: int, port: int, args: argparse.Namespace) -> None:
             print(f"| {name} | {seconds * 1e3:.1f} | {seconds / medians['DDP']:.3f} |")
         # Each round measures both variants a few milliseconds apart, so the ratio within a round
         # is less exposed to load drifting on a shared machine than the ratio of medians.
-        paired = statistics.median(
-            ours_time / ddp_time
-            for ours_time, ddp_time in zip(samples["sync_gradients"], samples["DDP"], strict=True)
+        paired = Spread.of(
+            [
+                ours_time / ddp_time
+                for ours_time, ddp_time in zip(
+                    samples["sync_gradients"], samples["DDP"], strict=True
+                )
+            ]
         )
         print(f"max |grad difference| sync_gradients vs DDP: {difference:.2e}")
-        print(f"median of per-round ratios sync_gradients / DDP: {paired:.3f}")
+        print(f"per-round ratios sync_gradients / DDP: {paired.format(digits=3)}")
         print(f"sync_gradients / DDP: {medians['sync_gradients'] / medians['DDP']:.3f}x")
+        check_target("sync_gradients / DDP step", paired.median, at_most=1.10)
     handle.remove()
     del ddp
     gc.collect()

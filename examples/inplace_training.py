@@ -11,19 +11,10 @@ written out of place.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from torch import nn
 
 import tensorhooks
-
-if not hasattr(tensorhooks, "allow_mutation_on_saved_tensors"):
-    print(
-        "tensorhooks.allow_mutation_on_saved_tensors is not available in this build of "
-        "tensorhooks; nothing to run."
-    )
-    sys.exit(0)
 
 
 class Block(nn.Module):

@@ -4,43 +4,101 @@ The public names mirror `torch.autograd.graph` (same signatures and defaults), s
 ``import tensorhooks as graph`` works in code written for torch.
 """
 
+from importlib import metadata as _metadata
+
+from torch.utils.checkpoint import CheckpointError as CheckpointError
+
 from . import distributed as distributed
+from ._checkpoint import checkpoint as checkpoint
+from ._checkpoint import is_recomputing as is_recomputing
+from ._checkpoint_policy import (
+    create_selective_checkpoint_contexts as create_selective_checkpoint_contexts,
+)
+from ._errors import CheckpointArgumentValueError as CheckpointArgumentValueError
 from ._errors import GradientSyncError as GradientSyncError
 from ._errors import GraphTaskError as GraphTaskError
+from ._errors import HookArgumentTypeError as HookArgumentTypeError
+from ._errors import HookArgumentValueError as HookArgumentValueError
 from ._errors import InvalidHookArgumentError as InvalidHookArgumentError
 from ._errors import InvalidHookModeError as InvalidHookModeError
 from ._errors import InvalidOffloadOptionError as InvalidOffloadOptionError
 from ._errors import InvalidSyncArgumentError as InvalidSyncArgumentError
 from ._errors import MutationContextExitedError as MutationContextExitedError
+from ._errors import OffloadArgumentValueError as OffloadArgumentValueError
+from ._errors import ParameterOffloadDeviceError as ParameterOffloadDeviceError
+from ._errors import ParameterOffloadValueError as ParameterOffloadValueError
 from ._errors import SavedTensorModifiedError as SavedTensorModifiedError
+from ._errors import SyncArgumentTypeError as SyncArgumentTypeError
+from ._errors import SyncArgumentValueError as SyncArgumentValueError
 from ._errors import TensorHooksError as TensorHooksError
 from ._errors import UnguardedHooksError as UnguardedHooksError
+from ._graph import GradientEdge as GradientEdge
+from ._graph import Node as Node
+from ._graph import get_gradient_edge as get_gradient_edge
+from ._graph import increment_version as increment_version
+from ._graph import torch_only_names as _torch_only_names
 from ._multigrad import register_multi_grad_hook as register_multi_grad_hook
 from ._mutation import MutationContext as MutationContext
 from ._mutation import allow_mutation_on_saved_tensors as allow_mutation_on_saved_tensors
+from ._offload import OffloadStats as OffloadStats
 from ._offload import save_on_cpu as save_on_cpu
+from ._params import ParameterOffloadHandle as ParameterOffloadHandle
+from ._params import offload_parameters as offload_parameters
+from ._params_transfer import CudaTransfer as CudaTransfer
+from ._params_transfer import ParameterTransfer as ParameterTransfer
 from ._saved import disable_saved_tensors_hooks as disable_saved_tensors_hooks
 from ._saved import saved_tensors_hooks as saved_tensors_hooks
 from ._store import live_graph_tasks as live_graph_tasks
+from ._torch_compat import CheckpointPolicy as CheckpointPolicy
 
-__version__ = "0.1.0"
+try:
+    __version__ = _metadata.version("tensorhooks")
+except _metadata.PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
+
+# The rest of the installed torch's torch.autograd.graph.__all__ (names that only some torch
+# releases have), so that `import tensorhooks as graph` finds every one. Outside __all__, which
+# lists what every supported torch has.
+globals().update(_torch_only_names())
 
 __all__ = [
+    "CheckpointArgumentValueError",
+    "CheckpointError",
+    "CheckpointPolicy",
+    "CudaTransfer",
+    "GradientEdge",
     "GradientSyncError",
     "GraphTaskError",
+    "HookArgumentTypeError",
+    "HookArgumentValueError",
     "InvalidHookArgumentError",
     "InvalidHookModeError",
     "InvalidOffloadOptionError",
     "InvalidSyncArgumentError",
     "MutationContext",
     "MutationContextExitedError",
+    "Node",
+    "OffloadArgumentValueError",
+    "OffloadStats",
+    "ParameterOffloadDeviceError",
+    "ParameterOffloadHandle",
+    "ParameterOffloadValueError",
+    "ParameterTransfer",
     "SavedTensorModifiedError",
+    "SyncArgumentTypeError",
+    "SyncArgumentValueError",
     "TensorHooksError",
     "UnguardedHooksError",
     "allow_mutation_on_saved_tensors",
+    "checkpoint",
+    "create_selective_checkpoint_contexts",
     "disable_saved_tensors_hooks",
     "distributed",
+    "get_gradient_edge",
+    "increment_version",
+    "is_recomputing",
     "live_graph_tasks",
+    "offload_parameters",
     "register_multi_grad_hook",
     "save_on_cpu",
     "saved_tensors_hooks",

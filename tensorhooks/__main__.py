@@ -1,8 +1,8 @@
-"""``python -m tensorhooks demo|bench``: see `tensorhooks._cli`."""
+"""``python -m tensorhooks demo|bench``: see `tensorhooks.cli`."""
 
 from __future__ import annotations
 
-from ._cli import main
+from .cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -90,7 +90,7 @@ class Bucket:
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
         self.params = tuple(params)
         # The accumulator nodes are kept alive here: autograd caches them weakly, and the
-        # identity of the node running a hook is how fill() tells which gradient is not yet
+        # identity of the node running a hook tells which parameter's gradient is not yet
         # accumulated into .grad (see NOTE [What a bucket averages] in distributed.py).
         self.accumulators: tuple[Node, ...] = tuple(map(_grad_node, self.params))
         self.position_of_node = {id(node): i for i, node in enumerate(self.accumulators)}
@@ -107,27 +107,23 @@ class Bucket:
         self.flags = self.flat[total:]
         self.used_since_sync = [False] * len(self.params)
 
-    @property
-    def nbytes(self) -> int:
-        """The bytes of gradient the bucket holds (its flags not counted)."""
-        return sum(view.numel() for view in self.views) * self.flat.element_size()
-
     def note_used(self, grads: Sequence[torch.Tensor | None]) -> None:
         """Record the parameters that got a gradient in a backward that does not synchronise."""
         for position, grad in enumerate(grads):
             if grad is not None:
                 self.used_since_sync[position] = True
 
-    def fill(
-        self, grads: Sequence[torch.Tensor | None], current: Node | None, scale: float
-    ) -> bool:
-        """Write ``scale`` times each parameter's gradient after this step into the buffer.
+    def fill(self, grads: Sequence[torch.Tensor | None], scale: float) -> bool:
+        """Write ``scale`` times each parameter's ``.grad`` into the buffer.
+
+        Called once every parameter of the bucket that gets a gradient in the step has had it
+        accumulated into ``.grad`` and its hooks run: the values averaged are the ``.grad``
+        that accumulation and the hooks produced, as DistributedDataParallel's reducer reads
+        them (see NOTE [What a bucket averages] in distributed.py).
 
         Args:
             grads: the gradients the bucket's multi-grad hook received, ``None`` where this
-                process computed none in the step.
-            current: the autograd node running the hook that completed the bucket, if any: the
-                one parameter whose gradient is not yet accumulated into ``.grad``.
+                process computed none in the step; only which are ``None`` is used.
             scale: the factor applied to every gradient (one over the world size).
 
         Returns:
@@ -135,9 +131,9 @@ class Bucket:
             a ``no_sync()`` step since the last synchronised one.
 
         Raises:
-            GradientSyncError: if a gradient is not a dense (strided) tensor.
+            GradientSyncError: if a gradient is not a dense (strided) tensor (a
+                ``RuntimeError``).
         """
-        current_position = None if current is None else self.position_of_node.get(id(current))
         idle = False
         for position, (param, view, grad) in enumerate(
             zip(self.params, self.views, grads, strict=True)
@@ -146,18 +142,9 @@ class Bucket:
             _check_dense(param, held)
             if grad is None:
                 idle = idle or not self.used_since_sync[position]
-                _write_scaled(view, held, scale)
-                continue
-            _check_dense(param, grad)
-            if position == current_position and held is not None:
-                # The engine has not accumulated this gradient yet: add it as it will.
-                torch.add(held, grad, out=view)
-                if scale != 1.0:
-                    view.mul_(scale)
-            elif position == current_position or held is None:
-                _write_scaled(view, grad, scale)
             else:
-                _write_scaled(view, held, scale)
+                _check_dense(param, grad)
+            _write_scaled(view, held, scale)
         if idle:
             used = [
                 grad is not None or earlier

@@ -1,20 +1,49 @@
 """The exceptions tensorhooks raises.
 
-Every class also inherits the builtin that torch raises in the same situation, so code written
-against ``torch.autograd.graph`` (``except RuntimeError:``) keeps working unchanged.
+One class per feature and failure. Every class also inherits the builtin that torch raises in the
+same situation, so code written against ``torch.autograd.graph`` (``except RuntimeError:``,
+``except TypeError:``) keeps working unchanged. Feature, failure: class (builtin).
+
+* hook APIs (``saved_tensors_hooks``, ``disable_saved_tensors_hooks``,
+  ``register_multi_grad_hook``, ``save_on_cpu``), an argument of the wrong type:
+  `HookArgumentTypeError` (``TypeError``); an argument value they do not accept:
+  `HookArgumentValueError` (``ValueError``).
+* saved-tensor hooks, a saved tensor changed in place before backward:
+  `SavedTensorModifiedError` (``RuntimeError``).
+* ``save_on_cpu``, an option value out of range: `OffloadArgumentValueError` (``ValueError``).
+* ``allow_mutation_on_saved_tensors``, backward after the context exited:
+  `MutationContextExitedError` (``RuntimeError`` and ``AssertionError``); a write under torch's
+  own hooks: `UnguardedHooksError` (``RuntimeError``).
+* ``sync_gradients``, an argument of the wrong type: `SyncArgumentTypeError` (``TypeError``); a
+  value it cannot use: `SyncArgumentValueError` (``ValueError``); synchronisation failed in
+  backward: `GradientSyncError` (``RuntimeError``).
+* the graph-task store, used outside backward: `GraphTaskError` (``RuntimeError``).
+
+Earlier names stay importable as aliases of the same classes: ``InvalidHookArgumentError``
+(`HookArgumentTypeError`), ``InvalidHookModeError`` (`HookArgumentValueError`),
+``InvalidOffloadOptionError`` (`OffloadArgumentValueError`) and ``InvalidSyncArgumentError``
+(`SyncArgumentValueError`).
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointArgumentValueError",
     "GradientSyncError",
     "GraphTaskError",
+    "HookArgumentTypeError",
+    "HookArgumentValueError",
     "InvalidHookArgumentError",
     "InvalidHookModeError",
     "InvalidOffloadOptionError",
     "InvalidSyncArgumentError",
     "MutationContextExitedError",
+    "OffloadArgumentValueError",
+    "ParameterOffloadDeviceError",
+    "ParameterOffloadValueError",
     "SavedTensorModifiedError",
+    "SyncArgumentTypeError",
+    "SyncArgumentValueError",
     "TensorHooksError",
     "UnguardedHooksError",
 ]
@@ -22,6 +51,24 @@ __all__ = [
 
 class TensorHooksError(Exception):
     """Base class of every exception raised by tensorhooks."""
+
+
+# --- Hook APIs ----------------------------------------------------------------------------------
+
+
+class HookArgumentTypeError(TensorHooksError, TypeError):
+    """An argument of a hook API with the wrong type, such as a non-tensor where tensors go.
+
+    Raised by `saved_tensors_hooks`, `disable_saved_tensors_hooks`, `register_multi_grad_hook`
+    and `save_on_cpu`. Also importable as ``InvalidHookArgumentError``, its earlier name.
+    """
+
+
+class HookArgumentValueError(TensorHooksError, ValueError):
+    """An argument of a hook API with a value it does not accept, such as an unknown ``mode``.
+
+    Also importable as ``InvalidHookModeError``, its earlier name.
+    """
 
 
 class SavedTensorModifiedError(TensorHooksError, RuntimeError):
@@ -33,38 +80,25 @@ class SavedTensorModifiedError(TensorHooksError, RuntimeError):
     """
 
 
-class GradientSyncError(TensorHooksError, RuntimeError):
-    """Gradients could not be synchronised across processes during a backward call."""
+# --- save_on_cpu --------------------------------------------------------------------------------
 
 
-class GraphTaskError(TensorHooksError, RuntimeError):
-    """Per-backward state was used outside a backward call, or after its graph task ended."""
+class OffloadArgumentValueError(TensorHooksError, ValueError):
+    """An offloading option with a value out of range, such as a negative byte threshold.
 
-
-class InvalidHookModeError(TensorHooksError, ValueError):
-    """A ``mode`` argument that is not one of the supported modes."""
-
-
-class InvalidOffloadOptionError(TensorHooksError, ValueError):
-    """An offloading option with a value out of range, such as a negative byte threshold."""
-
-
-class InvalidHookArgumentError(TensorHooksError, TypeError):
-    """An argument of the wrong type, such as a non-tensor where tensors are expected."""
-
-
-class InvalidSyncArgumentError(TensorHooksError, ValueError):
-    """A value `tensorhooks.distributed.sync_gradients` cannot work with.
-
-    Inherits `ValueError`, like torch's errors for an uninitialised process group.
+    Also importable as ``InvalidOffloadOptionError``, its earlier name.
     """
 
 
-class MutationContextExitedError(TensorHooksError, RuntimeError):
+# --- allow_mutation_on_saved_tensors ------------------------------------------------------------
+
+
+class MutationContextExitedError(TensorHooksError, RuntimeError, AssertionError):
     """Backward needed a tensor saved inside ``allow_mutation_on_saved_tensors`` after it exited.
 
     Writes are only tracked while the context is open, so a saved tensor cannot be trusted once
-    it has closed. torch raises ``AssertionError`` here; this is a ``RuntimeError``.
+    it has closed. torch raises ``AssertionError`` here; this is a ``RuntimeError`` and also an
+    ``AssertionError``, so handlers written for either catch it.
     """
 
 
@@ -75,4 +109,62 @@ class UnguardedHooksError(TensorHooksError, RuntimeError):
     ``torch.autograd.graph.saved_tensors_hooks`` (or a subclass such as torch's ``save_on_cpu``)
     is the innermost pair: tensors it saved are invisible to the context, so a write could reach
     backward unnoticed.
+    """
+
+
+# --- sync_gradients -----------------------------------------------------------------------------
+
+
+class SyncArgumentTypeError(TensorHooksError, TypeError):
+    """An argument of `tensorhooks.distributed.sync_gradients` with the wrong type."""
+
+
+class SyncArgumentValueError(TensorHooksError, ValueError):
+    """A value `tensorhooks.distributed.sync_gradients` cannot work with.
+
+    Inherits `ValueError`, like torch's errors for an uninitialised process group. Also
+    importable as ``InvalidSyncArgumentError``, its earlier name.
+    """
+
+
+class GradientSyncError(TensorHooksError, RuntimeError):
+    """Gradients could not be synchronised across processes during a backward call."""
+
+
+# --- The graph-task store -----------------------------------------------------------------------
+
+
+class GraphTaskError(TensorHooksError, RuntimeError):
+    """Per-backward state was used outside a backward call, or after its graph task ended."""
+
+
+# --- offload_parameters -----------------------------------------------------------------------
+
+
+class ParameterOffloadValueError(TensorHooksError, ValueError):
+    """`tensorhooks.offload_parameters` was given blocks or options it cannot work with.
+
+    Such as a block that is not a submodule of the module, two blocks of which one contains the
+    other, or a negative ``prefetch``. Inherits `ValueError`, like torch's argument checks.
+    """
+
+
+class ParameterOffloadDeviceError(TensorHooksError, RuntimeError):
+    """An accelerator was asked for (or needed by default) and none is available.
+
+    Inherits `RuntimeError`, what torch raises when a device it was built without is used.
+    """
+
+
+# Earlier names, kept because they are public API: the same class objects.
+InvalidHookArgumentError = HookArgumentTypeError
+InvalidHookModeError = HookArgumentValueError
+InvalidOffloadOptionError = OffloadArgumentValueError
+InvalidSyncArgumentError = SyncArgumentValueError
+
+
+class CheckpointArgumentValueError(TensorHooksError, ValueError):
+    """An option `tensorhooks.checkpoint` does not take, such as ``use_reentrant=True``.
+
+    Inherits `ValueError`, like torch's errors for checkpoint options.
     """

@@ -1,23 +1,6 @@
 """Hooks that fire once per backward for a group of tensors: when all, or any, got a gradient.
 
-# NOTE [Counting the gradients an "all" hook waits for]
-#
-# A multi-grad hook in mode "all" registers one tensor hook per distinct tensor and must call
-# ``fn`` exactly once per backward, after the last of those hooks that will fire in that
-# backward. When the first of its hooks fires in a graph task, the hook asks the engine, for each
-# tensor's node (``grad_fn``, or the gradient accumulator of a leaf), whether that node runs in
-# this task (``torch._C._will_engine_execute_node``), and counts the hooks to wait for. All of it
-# (the expected count, the calls seen so far, the buffered grads) lives in the graph-task store
-# under a key private to the hook, so concurrent backward calls never share a counter and nothing
-# survives the task, whether backward succeeded or raised.
-#
-# One place where the engine cannot answer: ``autograd.grad(..., inputs=leaf)`` makes it raise for
-# a captured leaf's accumulator (pytorch issue 131753). A captured leaf's tensor hook does fire,
-# so that counts as "runs". Should the count ever be too high for another reason (a hook the
-# engine says will run but that does not), the hook still must not be lost: each hook also queues
-# an end-of-task callback that fires ``fn`` with the grads seen so far if the count was never
-# reached. ``fn`` runs exactly once per backward either way, with exactly the grads whose hooks
-# fired; the property tests compare that set with plain tensor hooks on random programs.
+See NOTE [Counting the gradients an "all" hook waits for].
 """
 
 from __future__ import annotations
@@ -31,17 +14,45 @@ import torch
 from torch.autograd.graph import Node
 from torch.utils.hooks import RemovableHandle
 
-from ._errors import InvalidHookArgumentError, InvalidHookModeError
+from ._errors import HookArgumentTypeError, HookArgumentValueError
 from ._store import GraphTaskState, graph_task_store
+from ._torch_compat import will_engine_execute_nodes
 
 __all__ = ["MultiGradHandle", "register_multi_grad_hook"]
 
-_will_engine_execute_node: Callable[[Node], bool] = torch._C._will_engine_execute_node
-_current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
+# NOTE [Counting the gradients an "all" hook waits for]
+#
+# A multi-grad hook in mode "all" registers one tensor hook per distinct tensor and must call
+# ``fn`` exactly once per backward, after the last of those hooks that will fire in that
+# backward. When the first of its hooks fires in a graph task, the hook asks the engine, for each
+# tensor's node (``grad_fn``, or the gradient accumulator of a leaf), whether that node runs in
+# this task (``will_engine_execute_node`` of `_torch_compat`), and counts the hooks to wait for.
+# All of it (the expected count, the calls seen so far, the buffered grads) lives in the
+# graph-task store under a key private to the hook, so concurrent backward calls never share a
+# counter and nothing survives the task, whether backward succeeded or raised.
+#
+# One place where the engine cannot answer: ``autograd.grad(..., inputs=leaf)`` makes it raise for
+# a captured leaf's accumulator (pytorch issue 131753). A captured leaf's tensor hook does fire,
+# so that counts as "runs". Should the count ever be too high for another reason (a hook the
+# engine says will run but that does not), the hook still must not be lost: the first "all" hook
+# of a task registers one end-of-task callback that fires every ``fn`` whose count was never
+# reached, with the grads seen so far. ``fn`` runs exactly once per backward either way, with
+# exactly the grads whose hooks fired; the property tests compare that set with plain tensor
+# hooks on random programs.
+
 
 AllHook = Callable[[Sequence[torch.Tensor | None]], None]
 AnyHook = Callable[[torch.Tensor], None]
 _MODES = ("all", "any")
+
+
+class _Registration:
+    """Whether a multi-grad hook was removed; its end-of-task flush asks before calling ``fn``."""
+
+    __slots__ = ("removed",)
+
+    def __init__(self) -> None:
+        self.removed = False
 
 
 class MultiGradHandle(RemovableHandle):
@@ -49,11 +60,15 @@ class MultiGradHandle(RemovableHandle):
 
     handles: tuple[RemovableHandle, ...]
 
-    def __init__(self, handles: tuple[RemovableHandle, ...]) -> None:
+    def __init__(
+        self, handles: tuple[RemovableHandle, ...], registration: _Registration | None = None
+    ) -> None:
         self.handles = handles
+        self.registration = registration or _Registration()
 
     def remove(self) -> None:
         """Remove the hook from every tensor. Calling it again does nothing."""
+        self.registration.removed = True
         for handle in self.handles:
             handle.remove()
 
@@ -70,6 +85,7 @@ class MultiGradHandle(RemovableHandle):
             handle.__setstate__((None, hook_id))
             handles.append(handle)
         self.handles = tuple(handles)
+        self.registration = _Registration()
 
 
 def _grad_node(tensor: torch.Tensor) -> Node:
@@ -85,26 +101,18 @@ def _grad_node(tensor: torch.Tensor) -> Node:
     return accumulator
 
 
-def _hook_fires(node: Node) -> bool:
-    """Whether the tensor hooks of ``node`` fire in the current graph task (see NOTE above)."""
-    try:
-        return _will_engine_execute_node(node)
-    except RuntimeError:
-        # Only raised for a leaf accumulator captured by autograd.grad, whose hook fires.
-        return True
-
-
 class _AllState:
     """What one "all" hook keeps in one graph task."""
 
-    __slots__ = ("calls", "fired", "fn", "grads", "last")
+    __slots__ = ("calls", "fired", "fn", "grads", "last", "registration")
 
-    def __init__(self, expected: int, size: int, fn: AllHook) -> None:
+    def __init__(self, expected: int, size: int, fn: AllHook, registration: _Registration) -> None:
         # ``next(calls)`` is atomic under the GIL: exactly one hook call draws ``last``.
         self.calls = itertools.count()
         self.last = expected - 1
         self.fired = False
         self.fn = fn
+        self.registration = registration
         self.grads: list[torch.Tensor | None] = [None] * size
 
 
@@ -115,51 +123,52 @@ def _flush_pending(pending: list[_AllState]) -> None:
     """End of a graph task: fire the hooks whose expected count was never reached.
 
     A state exists only once one of its hooks was called, so each one left unfired here owes
-    exactly one call. End callbacks run after every node of the task, so no hook races this.
+    exactly one call, unless its handle was removed meanwhile (torch then never calls it). End
+    callbacks run after every node of the task, so no hook races this.
     """
     for state in pending:
-        if not state.fired:
+        if not state.fired and not state.registration.removed:
             state.fired = True
             state.fn(state.grads)
 
 
 def _pending_states(task: GraphTaskState) -> list[_AllState]:
     """The task's list of "all" states, created with its end-of-task flush on first use."""
-    pending: list[_AllState] | None = task.slots.get(_PENDING)
+    pending: list[_AllState] | None = task.peek(_PENDING)
     if pending is None:
         candidate: list[_AllState] = []
-        # dict.setdefault is atomic: if hooks on two device threads race, one list wins and
-        # only the winner registers the flush.
-        pending = task.slots.setdefault(_PENDING, candidate)
+        # If hooks on two device threads race, one list wins and only the winner registers the
+        # flush.
+        pending = task.claim(_PENDING, candidate)
         if pending is candidate:
             task.on_end(functools.partial(_flush_pending, pending))
     return pending
 
 
 def _register_all(
-    tensors: Sequence[torch.Tensor], groups: dict[int, list[int]], fn: AllHook
+    tensors: Sequence[torch.Tensor],
+    groups: dict[int, list[int]],
+    fn: AllHook,
+    registration: _Registration,
 ) -> tuple[RemovableHandle, ...]:
     key = object()
     size = len(tensors)
     nodes = [_grad_node(tensors[positions[0]]) for positions in groups.values()]
     current = graph_task_store.current
-    tasks = graph_task_store.tasks_by_id
 
     def new_state(task: GraphTaskState) -> _AllState:
-        try:
-            expected = sum(map(_will_engine_execute_node, nodes))
-        except RuntimeError:
-            expected = sum(map(_hook_fires, nodes))
-        candidate = _AllState(expected, size, fn)
-        state: _AllState = task.slots.setdefault(key, candidate)
+        # See NOTE [Counting the gradients an "all" hook waits for].
+        expected = will_engine_execute_nodes(nodes)
+        candidate = _AllState(expected, size, fn, registration)
+        state: _AllState = task.claim(key, candidate)
         if state is candidate:
             _pending_states(task).append(state)
         return state
 
     def make_hook(positions: tuple[int, ...]) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
-            task = tasks.get(_current_graph_task_id()) or current()
-            state: _AllState = task.slots.get(key) or new_state(task)
+            task = current()
+            state: _AllState = task.peek(key) or new_state(task)
             grads = state.grads
             for position in positions:
                 grads[position] = grad
@@ -184,8 +193,8 @@ def _register_any(
     def hook(grad: torch.Tensor) -> None:
         task = graph_task_store.current()
         claim = object()
-        # dict.setdefault is atomic: exactly one hook call per graph task wins the claim.
-        if task.slots.setdefault(key, claim) is claim:
+        # Exactly one hook call per graph task wins the claim.
+        if task.claim(key, claim) is claim:
             fn(grad)
 
     return tuple(
@@ -238,9 +247,9 @@ def register_multi_grad_hook(
         A handle whose ``remove()`` unregisters the hook; it pickles like torch's.
 
     Raises:
-        ValueError: if ``mode`` is not ``"all"`` or ``"any"``.
-        TypeError: if ``tensors`` holds something that is not a tensor, or ``fn`` is not
-            callable.
+        HookArgumentValueError: if ``mode`` is not ``"all"`` or ``"any"`` (a ``ValueError``).
+        HookArgumentTypeError: if ``tensors`` is a single tensor or holds something that is not
+            a tensor, or ``fn`` is not callable (a ``TypeError``).
 
     Threads: the hook may be registered on one thread and fire on any; concurrent backward
     calls each get their own count, and ``fn`` may run concurrently for different calls.
@@ -249,23 +258,32 @@ def register_multi_grad_hook(
     those leaves alive until ``handle.remove()``; non-leaf tensors are not kept alive.
     """
     if mode not in _MODES:
-        raise InvalidHookModeError(
-            f"register_multi_grad_hook: mode must be one of {_MODES}, got {mode!r}"
+        # torch's own text first, so that code matching torch's message keeps working.
+        raise HookArgumentValueError(
+            f"register_multi_grad_hook: Expects mode to be one of {_MODES} but got {mode}. The "
+            "mode must be one of 'all' (fn gets every gradient of the call) or 'any' (fn gets "
+            "the first one)"
         )
     if isinstance(tensors, torch.Tensor):  # type: ignore[unreachable]  # a common mistake, checked at runtime
-        raise InvalidHookArgumentError(
+        raise HookArgumentTypeError(
             "register_multi_grad_hook: tensors must be a sequence of tensors, got a single "
             "Tensor; wrap it in a list: register_multi_grad_hook([tensor], fn)"
         )
-    tensors = tuple(tensors)
+    try:
+        tensors = tuple(tensors)
+    except TypeError as error:  # torch fails later, with this text, on len() or iteration
+        raise HookArgumentTypeError(
+            f"register_multi_grad_hook: tensors must be a sequence of tensors, got {tensors!r} "
+            f"of type {type(tensors).__name__} ({error}); pass a list such as [a, b]"
+        ) from None
     for index, tensor in enumerate(tensors):
         if not isinstance(tensor, torch.Tensor):
-            raise InvalidHookArgumentError(
+            raise HookArgumentTypeError(
                 f"register_multi_grad_hook: tensors[{index}] is {tensor!r} of type "
                 f"{type(tensor).__name__}, not a torch.Tensor; pass only tensors"
             )
     if not callable(fn):
-        raise InvalidHookArgumentError(
+        raise HookArgumentTypeError(
             f"register_multi_grad_hook: fn must be callable, got {fn!r} of type {type(fn).__name__}"
         )
     # One tensor hook per distinct tensor that can receive a gradient; a tensor listed twice
@@ -274,8 +292,9 @@ def register_multi_grad_hook(
     for index, tensor in enumerate(tensors):
         if tensor.requires_grad:
             groups.setdefault(id(tensor), []).append(index)
+    registration = _Registration()
     if mode == "all":
-        handles = _register_all(tensors, groups, cast(AllHook, fn))
+        handles = _register_all(tensors, groups, cast(AllHook, fn), registration)
     else:
         handles = _register_any(tensors, groups, cast(AnyHook, fn))
-    return MultiGradHandle(handles)
+    return MultiGradHandle(handles, registration)

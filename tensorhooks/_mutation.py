@@ -1,10 +1,56 @@
 """allow_mutation_on_saved_tensors: change tensors saved for backward in place, safely.
 
+See NOTE [Clone before write].
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable, Generator, Iterable, Sequence
+from typing import Any, NamedTuple, NoReturn
+
+import torch
+
+from ._compile import not_traced, warn_compile_skipped
+from ._errors import MutationContextExitedError, SavedTensorModifiedError, UnguardedHooksError
+from ._guards import (
+    PackHook,
+    SavedCopy,
+    UnpackHook,
+    current_save_guard,
+    is_output_of_saving_node,
+    is_protected_pack_hook,
+    modified_message,
+    register_protected_pack_hook,
+    use_save_guard,
+)
+from ._torch_compat import (
+    PYTHON_DISPATCH_KEY,
+    OpOverload,
+    TorchDispatchMode,
+    current_dispatch_mode,
+    current_graph_task_id,
+    get_disabled_hooks_message,
+    is_alias_of,
+    is_dispatch_key_excluded,
+    next_sequence_nr,
+    pop_saved_tensors_hooks,
+    push_saved_tensors_hooks,
+    set_dispatch_key_excluded,
+    skip_code_in_dynamo,
+    top_saved_tensors_hooks,
+    warn_once,
+)
+
+__all__ = ["MutationContext", "allow_mutation_on_saved_tensors"]
+
 # NOTE [Clone before write]
 #
 # Inside the context every tensor autograd saves goes through our pack hook, which returns a
-# small handle (``_SavedTensor``) holding the tensor; the unpack hook is
-# ``operator.attrgetter("tensor")``, so backward reads whatever the handle holds. A
+# small handle (``_SavedTensor``) holding the tensor; the unpack hook hands back whatever the
+# handle holds. A
 # TorchDispatchMode sees every operator; just before an operator writes to a tensor it finds the
 # saved tensors that share the written tensor's storage and whose byte span overlaps the span the
 # write can reach, clones each of them and puts the clone in its handle. Backward therefore sees
@@ -55,64 +101,11 @@
 # every open context. Nesting is allowed (unlike torch): the inner context tracks what is saved
 # inside it and must also see its backward. A context whose thread's innermost dispatch mode is
 # already ours pushes no second one (it would only run every operator through the handler twice).
-# Hook pairs pushed inside the context with
-# tensorhooks' ``saved_tensors_hooks`` (and its subclasses) are wrapped by the context's save
-# guard and keep the protection. torch's own ``saved_tensors_hooks`` cannot be intercepted when
-# pushed; an in-place write made while one is the innermost pair raises ``UnguardedHooksError``.
-"""
-
-from __future__ import annotations
-
-import contextlib
-import operator
-import threading
-import weakref
-from collections.abc import Callable, Generator, Sequence
-from types import CodeType
-from typing import Any, NamedTuple, NoReturn
-
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
-
-from ._errors import MutationContextExitedError, UnguardedHooksError
-from ._saved import (
-    PackHook,
-    SavedCopy,
-    UnpackHook,
-    VersionGuard,
-    _is_alias_of,
-    _peek_sequence_nr,
-    _pop_hooks,
-    _push_hooks,
-    is_output_of_saving_node,
-    use_save_guard,
-)
-
-__all__ = ["MutationContext", "allow_mutation_on_saved_tensors"]
-
-_HookPair = tuple[Callable[..., Any], Callable[..., Any]]
-
-
-def _find_top_hooks() -> Callable[[], _HookPair | None] | None:
-    """Return a reader of the innermost saved-tensor hooks, or None before torch 2.8."""
-    top: Callable[..., _HookPair | None] | None = getattr(
-        torch._C._autograd, "_top_saved_tensors_default_hooks", None
-    )
-    if top is None:
-        return None
-    try:
-        top(False)
-    except TypeError:  # versions whose reader takes no argument
-        return top
-    return lambda: top(False)
-
-
-# Returns the innermost (pack, unpack) pair pushed on this thread, or None (stubs omit None).
-_top_hooks = _find_top_hooks()
-_set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
-_is_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
-_PYTHON_KEY = torch._C.DispatchKey.Python
-# The sequence number the next autograd node created on this thread will get.
+#
+# Hooks pushed inside: pairs pushed with tensorhooks' ``saved_tensors_hooks`` (and its
+# subclasses, ``save_on_cpu``) are wrapped by the context's save guard and keep the protection.
+# torch's own ``saved_tensors_hooks`` are taken over when first seen innermost; see NOTE
+# [Saved-tensor hooks the context did not install].
 
 # Tensor types whose detach never needs Python dispatch (no __torch_dispatch__ of their own).
 _PLAIN_TENSOR_TYPES = frozenset(
@@ -138,6 +131,9 @@ _IMMUTABLE_TYPES = (
 )
 
 _EXITED_MESSAGE = (
+    # torch's own sentence first, for code that matches it
+    "Trying to backward outside of the 'allow_mutation_on_saved_tensors' context in which the "
+    "graph was originally recorded. "
     "allow_mutation_on_saved_tensors: backward needed a tensor saved inside the context, but the "
     "context has exited (or was cleared) since the forward pass recorded the graph, so in-place "
     "changes made after that were not tracked. Run backward inside the same "
@@ -151,9 +147,13 @@ class _SavedTensor:
     ``tensor`` is emptied when the context closes; reading it then raises.
     """
 
-    __slots__ = ("__weakref__", "tensor")
+    __slots__ = ("__weakref__", "slack", "tensor", "version")
 
     tensor: torch.Tensor
+    # The versions ``tensor`` may be at with no write the context did not see: from ``version``
+    # to ``version + slack``. See NOTE [Detecting writes the context did not see].
+    version: int
+    slack: int
 
     def __getattr__(self, name: str) -> NoReturn:
         # Only reached when a slot is empty, i.e. after the context closed.
@@ -162,7 +162,49 @@ class _SavedTensor:
         raise AttributeError(name)
 
 
-_unpack: Callable[[_SavedTensor], torch.Tensor] = operator.attrgetter("tensor")
+# NOTE [Detecting writes the context did not see]
+#
+# Cloning before a write protects saved tensors from the writes the dispatch mode sees. Some it
+# cannot see: a write on a thread with no open context, a write to a sparse tensor's values or
+# indices (another storage, the same version counter), a write under saved-tensor hooks that
+# tensorhooks did not install. Each handle therefore records its tensor's version counter at
+# save, and unpacking compares: a mismatch means a write changed the tensor with no clone taken,
+# and backward raises autograd's own in-place error instead of reading changed data. A write the
+# mode did see and that left a saved tensor unchanged (a non-overlapping slice of its storage)
+# still moves the shared counter. The mode runs below autograd, which bumps the counter after the
+# op returns, so after such a write each handle on that storage accepts its current version up
+# to one more per tensor written there (``slack``). Costs: two ints per save, one comparison per
+# unpack, and, after a write that reaches a storage holding saved tensors, one pass over that
+# storage's handles.
+
+
+def _unseen_write_error(tensor: torch.Tensor, saved_version: int) -> SavedTensorModifiedError:
+    try:
+        type_name = tensor.type()
+    except RuntimeError:  # layouts without a legacy type name (sparse CSR)
+        type_name = f"{tensor.layout} {tensor.dtype}"
+    return SavedTensorModifiedError(
+        modified_message(type_name, list(tensor.shape), tensor._version, saved_version)
+        + " Hint: the tensor was saved inside allow_mutation_on_saved_tensors() and then changed "
+        "in place by a write the context did not see, so it could not keep the save-time value: "
+        "a write made on a thread with no open context, through a sparse tensor's components, or "
+        "under saved-tensor hooks that tensorhooks did not install. Make the write inside the "
+        "context on the thread that runs the forward pass, or write to a copy."
+    )
+
+
+def _check_version(saved: _SavedTensor, tensor: torch.Tensor) -> None:
+    """Raise if a write the context did not see changed ``tensor`` (a mismatch, the slow path)."""
+    if not saved.version <= tensor._version <= saved.version + saved.slack:
+        raise _unseen_write_error(tensor, saved.version)
+
+
+def _unpack(saved: _SavedTensor) -> torch.Tensor:
+    """Hand back what ``saved`` holds, unless a write the context did not see changed it."""
+    tensor = saved.tensor
+    if tensor._version != saved.version:
+        _check_version(saved, tensor)
+    return tensor
 
 
 def _detached(tensor: torch.Tensor) -> torch.Tensor:
@@ -170,12 +212,12 @@ def _detached(tensor: torch.Tensor) -> torch.Tensor:
     if type(tensor) not in _PLAIN_TENSOR_TYPES:
         return tensor.detach()
     # detach() would otherwise go through the dispatch mode (microseconds).
-    was_excluded = _is_excluded(_PYTHON_KEY)
-    _set_excluded(_PYTHON_KEY, True)
+    was_excluded = is_dispatch_key_excluded(PYTHON_DISPATCH_KEY)
+    set_dispatch_key_excluded(PYTHON_DISPATCH_KEY, True)
     try:
         return tensor.detach()
     finally:
-        _set_excluded(_PYTHON_KEY, was_excluded)
+        set_dispatch_key_excluded(PYTHON_DISPATCH_KEY, was_excluded)
 
 
 _Pack = Callable[[torch.Tensor], _SavedTensor]
@@ -194,22 +236,27 @@ def _make_pack(pending: set[weakref.ref[_SavedTensor]]) -> tuple[_Pack, _Track]:
     discard = pending.discard
 
     def pack(tensor: torch.Tensor) -> _SavedTensor:
-        # The hot path: _is_newest_output and track inlined.
+        # The hot path: is_output_of_saving_node and track inlined.
         saved = _SavedTensor()
         grad_fn = tensor.grad_fn
-        if grad_fn is None or grad_fn._sequence_nr() != _peek_sequence_nr() - 1:
+        if grad_fn is None or grad_fn._sequence_nr() != next_sequence_nr() - 1:
             saved.tensor = tensor
         else:
             saved.tensor = _detached(tensor)
+        saved.version = tensor._version
+        saved.slack = 0
         add(weakref.ref(saved, discard))
         return saved
 
     def track(tensor: torch.Tensor, is_output: bool) -> _SavedTensor:
         saved = _SavedTensor()
         saved.tensor = _detached(tensor) if is_output else tensor
+        saved.version = tensor._version
+        saved.slack = 0
         add(weakref.ref(saved, discard))
         return saved
 
+    register_protected_pack_hook(pack)
     return pack, track
 
 
@@ -253,6 +300,12 @@ def _byte_span(tensor: torch.Tensor, resizes: bool) -> tuple[float, float] | Non
     if resizes:
         return (min(lo, offset) * itemsize, float("inf"))
     return (lo * itemsize, (hi + 1) * itemsize)
+
+
+def _reaches(span: tuple[float, float], saved: torch.Tensor) -> bool:
+    """Whether a write reaching bytes ``span`` of the storage overlaps what ``saved`` reads."""
+    saved_span = _byte_span(saved, False)
+    return saved_span is not None and saved_span[0] < span[1] and span[0] < saved_span[1]
 
 
 def _clone_key(tensor: torch.Tensor) -> object:
@@ -366,19 +419,47 @@ class MutationContext:
             self._indexed = alive
             self._prune_at = 2 * alive + 256
 
-    def _protect(self, written: Sequence[torch.Tensor], resizes: bool) -> None:
-        """Clone every tracked saved tensor that a write to ``written`` could change."""
+    def _protect(self, written: Sequence[torch.Tensor], resizes: bool) -> list[int | None]:
+        """Clone every tracked saved tensor that a write to ``written`` could change.
+
+        Returns, once per written tensor, the storage it writes when that storage still holds
+        tracked saved tensors after the clones: the write leaves their values alone but may bump
+        their version counter (see `_seen_write`).
+        """
         if self._pending:
             with self._lock:
                 self._index_pending()
         by_storage = self._by_storage
         if not by_storage:
-            return
+            return []
+        touched = []
         for tensor in written:
             key = _storage_key(tensor)
             if key in by_storage:
                 with self._lock:
                     self._clone_overlapping(key, tensor, resizes)
+                if key in by_storage:
+                    touched.append(key)
+        return touched
+
+    def _seen_write(self, keys: list[int | None]) -> None:
+        """After a write this context saw: the uncloned saved tensors on ``keys`` are unchanged.
+
+        The op has run below autograd; autograd bumps the version counter of each tensor it
+        wrote once the op returns, so a saved tensor sharing a counter with written tensors will
+        be up to one step ahead per written tensor on its storage. Accept that range, so that
+        only writes the context did not see make unpacking raise.
+        """
+        bumps: dict[int | None, int] = {}
+        for key in keys:
+            bumps[key] = bumps.get(key, 0) + 1
+        with self._lock:
+            for key, count in bumps.items():
+                for ref in self._by_storage.get(key, ()):
+                    saved = ref()
+                    if saved is not None:
+                        saved.version = saved.tensor._version
+                        saved.slack = count
 
     def _clone_overlapping(self, key: int | None, written: torch.Tensor, resizes: bool) -> None:
         bucket = self._by_storage.get(key)
@@ -395,17 +476,17 @@ class MutationContext:
             if saved is None:
                 continue
             original = saved.tensor
-            if span is not None:
-                saved_span = _byte_span(original, False)
-                if saved_span is None or saved_span[0] >= span[1] or span[0] >= saved_span[1]:
-                    kept.append(ref)
-                    continue
+            if span is not None and not _reaches(span, original):
+                kept.append(ref)
+                continue
             # A tensor saved several times (same alias, same version) shares one clone.
             shared = _clone_key(original)
             clone = clones.get(shared)
             if clone is None:
                 clone = clones[shared] = original.clone()
             saved.tensor = clone
+            saved.version = clone._version
+            saved.slack = 0
             self._cloned.add(weakref.ref(saved, self._cloned.discard))
         if kept:
             self._by_storage[key] = kept
@@ -426,13 +507,15 @@ class _GuardedSave:
 
 def _is_copy(packed: object, tensor: torch.Tensor) -> bool:
     """Whether ``packed`` provably holds nothing that shares ``tensor``'s storage."""
-    if isinstance(packed, SavedCopy):
-        return True  # e.g. save_on_cpu's host copies, fenced at once under this guard
+    # save_on_cpu's host copies (fenced at once under this guard), or a key or a path: the data
+    # went elsewhere (to disk, say) and there is nothing to hold.
+    if isinstance(packed, (SavedCopy, *_IMMUTABLE_TYPES)):
+        return True
     if isinstance(packed, torch.Tensor):
         if packed is tensor or type(packed) not in _PLAIN_TENSOR_TYPES:
             return False  # a tensor subclass may wrap the saved tensor without sharing storage
         try:
-            return not _is_alias_of(packed, tensor)
+            return not is_alias_of(packed, tensor)
         except (RuntimeError, NotImplementedError):
             return False
     if isinstance(packed, (tuple, list)):
@@ -469,9 +552,12 @@ class _GuardedPair:
         """Hand back the save-time clone if the tensor was written; else call the user's unpack."""
         if type(stored) is not _GuardedSave:
             return self._unpack_hook(stored)
-        current = stored.saved.tensor  # raises once the context has exited
+        saved = stored.saved
+        current = saved.tensor  # raises once the context has exited
         if id(current) != stored.original_id:
             return current
+        if current._version != saved.version:
+            _check_version(saved, current)
         return self._unpack_hook(stored.packed)
 
 
@@ -480,51 +566,214 @@ class _MutationGuard:
 
     __slots__ = ("_context",)
 
+    lets_saved_tensors_change = True
+    version_check_may_be_inlined = False
+
     def __init__(self, context: MutationContext) -> None:
         self._context = context
 
     def wrap(self, pack_hook: PackHook, unpack_hook: UnpackHook) -> tuple[PackHook, UnpackHook]:
         """Return ``(pack_hook, unpack_hook)`` wrapped so that writes clone what they save."""
         pair = _GuardedPair(self._context, pack_hook, unpack_hook)
-        return pair.pack, pair.unpack
+        pack = pair.pack  # the bound method pushed, kept in the registry while it is alive
+        register_protected_pack_hook(pack)
+        return pack, pair.unpack
 
 
-def _noop_pack(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
+# NOTE [Saved-tensor hooks the context did not install]
+#
+# torch's own ``saved_tensors_hooks`` (and its subclasses: torch's ``save_on_cpu``, the hooks of
+# ``torch.utils.checkpoint``) cannot be intercepted when they are pushed. The context takes such a
+# pair over the first time it sees it innermost: it pops it and pushes the pair wrapped by the
+# save guard in force (``guard.wrap(pack, unpack)``), so what it saves from then on is tracked and
+# cloned before a write, as for pairs pushed with tensorhooks. ``saved_tensors_hooks.__exit__``
+# only pops, so the swap is invisible to the code that pushed the pair.
+#
+# When to look: tensors are saved when autograd creates a node, and every node takes the next
+# number of the thread's sequence counter. The mode reads that counter on every operator (a few
+# tens of nanoseconds) and reads the innermost pair (a few hundred) only when it moved since the
+# last look. Autograd saves a node's inputs before the operator reaches the mode, so the inputs
+# of the operator at which a pair is taken over may already sit in what the foreign pack kept:
+# they are recorded (weakly, by storage) as *foreign saves*, and a later write that reaches one
+# of them raises ``UnguardedHooksError`` instead of changing what backward may read. Outputs are
+# saved after the operator returns, through the wrapped pair.
+#
+# Exceptions:
+# - ``torch.utils.checkpoint``'s forward pair stores no tensor data (a holder per save); it is
+#   left as it is (wrapping it would keep every tensor alive that it means to free).
+# - its recomputation pair (pushed in backward around the recomputed forward) hands what it saves
+#   to the checkpoint frame directly, past any unpack: wrapping cannot protect it. Everything it
+#   saves is recorded as a foreign save for the graph task running the recomputation, so a
+#   write during recomputation that reaches a tensor recomputed for backward raises.
+# - tensors saved under a foreign pair before any operator reached the mode (a custom Function
+#   whose forward runs no operator, ``checkpoint``'s own inputs saved as the first thing) are
+#   not seen. See the Limits section of docs/allow_mutation_on_saved_tensors.md.
+# The innermost pair can only be read on torch 2.8 and newer; before that all of this is off, and
+# entering the context warns once.
 
+_CHECKPOINT_MODULE = "torch.utils.checkpoint"
+_CHECKPOINT_FORWARD_PACK = "_checkpoint_hook."
+_CHECKPOINT_RECOMPUTATION_PACK = "_recomputation_hook."
 
-# Innermost pairs under which a write is safe: ours, guarded user pairs, and tensorhooks'
-# version guard (it raises at backward rather than handing back changed data). Compared by
-# identity: hashing a code object hashes its bytecode.
-_OWN_PACK_CODE: CodeType = _make_pack(set())[0].__code__
-_PROTECTED_PACK_CODES: tuple[CodeType, ...] = (
-    _GuardedPair.pack.__code__,
-    VersionGuard().wrap(_noop_pack, _noop_pack)[0].__code__,
+_NO_INNERMOST_HOOKS_READER = (
+    "allow_mutation_on_saved_tensors: this torch ({version}) cannot read the innermost "
+    "saved-tensor hooks, so UnguardedHooksError protection is off: an in-place write made while "
+    "torch's own torch.autograd.graph.saved_tensors_hooks (or torch's save_on_cpu) is the "
+    "innermost pair inside the context is not caught. Upgrade to torch 2.8 or newer to turn it "
+    "on, or push hooks with tensorhooks.saved_tensors_hooks, which keep the protection."
 )
-# torch's checkpoint hooks store no tensor data: they recompute in backward.
-_TRUSTED_HOOK_MODULES = frozenset({"torch.utils.checkpoint"})
 
 
-def _check_innermost_hooks(func: torch._ops.OpOverload) -> None:
-    """Raise if the innermost saved-tensor hooks hide saved tensors from the context."""
-    top = _top_hooks() if _top_hooks is not None else None
-    if top is None:
+def _warn_if_unguarded() -> None:
+    """Warn once per process when this torch cannot check the innermost hooks on writes."""
+    if top_saved_tensors_hooks is None:
+        warn_once(
+            "allow_mutation_on_saved_tensors:top_saved_tensors_hooks",
+            _NO_INNERMOST_HOOKS_READER.format(version=torch.__version__),
+        )
+
+
+class _ForeignSave:
+    """A tensor that hooks the context did not install may hold: writes reaching it raise."""
+
+    __slots__ = ("hook_name", "ref", "task")
+
+    def __init__(self, tensor: torch.Tensor, hook_name: str, task: int | None) -> None:
+        self.ref = weakref.ref(tensor)
+        self.hook_name = hook_name
+        # The graph task whose recomputation saved it; None: until the tensor dies.
+        self.task = task
+
+
+# Storage key -> foreign saves on that storage, on every thread; guarded by the lock.
+_foreign_saves: dict[int | None, list[_ForeignSave]] = {}
+_foreign_saves_lock = threading.Lock()
+
+
+def _record_foreign_saves(
+    tensors: Sequence[torch.Tensor], hook_name: str, task: int | None
+) -> None:
+    with _foreign_saves_lock:
+        for tensor in tensors:
+            key = _storage_key(tensor)
+            records = [
+                record
+                for record in _foreign_saves.get(key, ())
+                if record.ref() is not None and (record.task is None or record.task == task)
+            ]
+            records.append(_ForeignSave(tensor, hook_name, task))
+            _foreign_saves[key] = records
+
+
+def _check_foreign_saves(func: OpOverload, written: Sequence[torch.Tensor], resizes: bool) -> None:
+    """Raise if ``written`` can reach a tensor that hooks the context did not install kept."""
+    task = current_graph_task_id()
+    for tensor in written:
+        key = _storage_key(tensor)
+        records = _foreign_saves.get(key)
+        if not records:
+            continue
+        span = None if key is None else _byte_span(tensor, resizes)
+        live = []
+        for record in records:
+            saved = record.ref()
+            if saved is None or (record.task is not None and record.task != task):
+                continue
+            live.append(record)
+            if span is not None:
+                if not _reaches(span, saved):
+                    continue
+            elif key is not None:
+                continue
+            raise _foreign_write_error(func, record.hook_name)
+        with _foreign_saves_lock:
+            if live:
+                _foreign_saves[key] = live
+            else:
+                _foreign_saves.pop(key, None)
+
+
+def _foreign_write_error(func: OpOverload, name: str) -> UnguardedHooksError:
+    return UnguardedHooksError(
+        f"allow_mutation_on_saved_tensors: in-place operator {func} writes a tensor that "
+        f"saved-tensor hooks not pushed by tensorhooks (pack hook {name!r}) may hold for "
+        "backward: it was saved before the context could take those hooks over (or by "
+        "torch.utils.checkpoint's recomputation), so the write could silently change what "
+        "backward reads. Push the hooks with tensorhooks.saved_tensors_hooks (or use "
+        "tensorhooks.save_on_cpu), which keep the protection, write to a copy, or, inside a "
+        "checkpointed function, use an out-of-place operator (h = h + f(h))."
+    )
+
+
+def _tensors_in(values: Iterable[Any]) -> list[torch.Tensor]:
+    tensors: list[torch.Tensor] = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+        elif isinstance(value, (list, tuple)):
+            tensors.extend(item for item in value if isinstance(item, torch.Tensor))
+    return tensors
+
+
+def _recording_pack(pack: PackHook, hook_name: str, task: int) -> PackHook:
+    """``pack``, recording what it returns as foreign saves of graph task ``task``."""
+
+    def recording_pack(tensor: torch.Tensor) -> object:
+        packed = pack(tensor)
+        _record_foreign_saves(_tensors_in((packed,)), hook_name, task)
+        return packed
+
+    register_protected_pack_hook(recording_pack)
+    return recording_pack
+
+
+def _take_over_innermost_hooks(
+    mode: _CloneBeforeWriteMode, func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """Swap a foreign innermost pair for its guarded version.
+
+    See NOTE [Saved-tensor hooks the context did not install].
+    """
+    if top_saved_tensors_hooks is None:
+        return  # see _warn_if_unguarded
+    top = top_saved_tensors_hooks()
+    if top is None or top[0] is mode.known_pack:
         return
-    pack = top[0]
-    code = getattr(pack, "__code__", None)
-    if code is _OWN_PACK_CODE or any(code is protected for protected in _PROTECTED_PACK_CODES):
-        return
-    if getattr(pack, "__module__", None) in _TRUSTED_HOOK_MODULES:
+    pack, unpack = top
+    if is_protected_pack_hook(pack) or get_disabled_hooks_message() is not None:
+        mode.known_pack = pack
         return
     name = getattr(pack, "__qualname__", None) or type(pack).__name__
-    raise UnguardedHooksError(
-        f"allow_mutation_on_saved_tensors: in-place operator {func} ran while the innermost "
-        f"saved-tensor hooks (pack hook {name!r}) were not pushed by tensorhooks, so tensors "
-        "they saved are invisible to the context and the write could silently change what "
-        "backward reads. Push the hooks with tensorhooks.saved_tensors_hooks (or use "
-        "tensorhooks.save_on_cpu) inside the context, which keeps the protection, or enter "
-        "torch.autograd.graph.saved_tensors_hooks outside allow_mutation_on_saved_tensors()."
-    )
+    checkpoint = getattr(pack, "__module__", None) == _CHECKPOINT_MODULE
+    if checkpoint and name.startswith(_CHECKPOINT_FORWARD_PACK):
+        mode.known_pack = pack  # stores no tensor data
+        return
+    # This operator's inputs may already be in what ``pack`` kept; what it writes was not
+    # (autograd saves a copy of an input an in-place formula needs).
+    written = {id(value) for value in _written_values(func, args, kwargs)}
+    inputs = [t for t in _tensors_in((*args, *kwargs.values())) if id(t) not in written]
+    if checkpoint and name.startswith(_CHECKPOINT_RECOMPUTATION_PACK):
+        task = current_graph_task_id()
+        _record_foreign_saves(inputs, name, task)
+        new_pack, new_unpack = _recording_pack(pack, name, task), unpack
+    else:
+        _record_foreign_saves(inputs, name, None)
+        new_pack, new_unpack = current_save_guard().wrap(pack, unpack)
+    pop_saved_tensors_hooks()
+    push_saved_tensors_hooks(new_pack, new_unpack)
+    mode.known_pack = new_pack
+
+
+def _written_values(
+    func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[torch.Tensor]:
+    op = _WRITING_OPS.get(id(func))
+    written = op.written if op is not None else _written_arguments(func)
+    values = []
+    for argument in written:
+        position = argument.position
+        values.append(args[position] if 0 <= position < len(args) else kwargs.get(argument.name))
+    return _tensors_in(values)
 
 
 class _WrittenArgument(NamedTuple):
@@ -544,10 +793,10 @@ class _WritingOp(NamedTuple):
 _READ_ONLY_OPS: dict[int, Callable[..., Any]] = {}
 # Ops that write -> what to call and which arguments they write.
 _WRITING_OPS: dict[int, _WritingOp] = {}
-_SEEN_OPS: list[torch._ops.OpOverload] = []
+_SEEN_OPS: list[OpOverload] = []
 
 
-def _written_arguments(func: torch._ops.OpOverload) -> tuple[_WrittenArgument, ...]:
+def _written_arguments(func: OpOverload) -> tuple[_WrittenArgument, ...]:
     """The arguments ``func`` writes, read once from its schema."""
     schema = func._schema
     resizing_op = schema.name in _RESIZING_OPS
@@ -571,11 +820,11 @@ _open_contexts: tuple[MutationContext, ...] = ()
 _open_contexts_lock = threading.Lock()
 
 
-def _first_call(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _first_call(func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Read which arguments ``func`` writes, cache it, then run it as later calls will."""
     written = _written_arguments(func)
     # OpOverload.__call__ only forwards to _op; subclasses may do more.
-    call = func._op if type(func) is torch._ops.OpOverload else func
+    call = func._op if type(func) is OpOverload else func
     _SEEN_OPS.append(func)
     if not written:
         _READ_ONLY_OPS[id(func)] = call
@@ -584,15 +833,13 @@ def _first_call(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict
     return _dispatch_write(func, args, kwargs)
 
 
-def _dispatch_write(
-    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
+def _dispatch_write(func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Protect what ``func`` is about to write, then run it."""
     op = _WRITING_OPS.get(id(func))
     if op is None:
         return _first_call(func, args, kwargs)
-    _check_innermost_hooks(func)
     contexts = _open_contexts
+    touched: list[tuple[MutationContext, list[int | None]]] = []
     for argument in op.written:
         position = argument.position
         value = args[position] if 0 <= position < len(args) else kwargs.get(argument.name)
@@ -602,18 +849,29 @@ def _dispatch_write(
             tensors = [item for item in value if isinstance(item, torch.Tensor)]
         else:
             continue
+        if _foreign_saves:
+            _check_foreign_saves(func, tensors, argument.resizes)
         for context in contexts:
-            context._protect(tensors, argument.resizes)
-    return op.call(*args, **kwargs)
+            keys = context._protect(tensors, argument.resizes)
+            if keys:
+                touched.append((context, keys))
+    result = op.call(*args, **kwargs)
+    for context, keys in touched:
+        context._seen_write(keys)
+    return result
 
 
 def _torch_dispatch(
     self: _CloneBeforeWriteMode,
-    func: torch._ops.OpOverload,
+    func: OpOverload,
     types: Sequence[type],
     args: tuple[Any, ...] = (),
     kwargs: dict[str, Any] | None = None,
 ) -> Any:
+    sequence_nr = next_sequence_nr()
+    if sequence_nr != self.sequence_nr:  # a node was created: it may have saved tensors
+        self.sequence_nr = sequence_nr
+        _take_over_innermost_hooks(self, func, args, kwargs or {})
     call = _READ_ONLY_OPS.get(id(func))
     if call is None:
         return _dispatch_write(func, args, kwargs or {})
@@ -622,25 +880,16 @@ def _torch_dispatch(
     return call(*args)
 
 
-def _skip_in_dynamo(code: CodeType) -> bool:
-    """Make Dynamo skip ``code`` and everything it calls; False if this torch cannot."""
-    try:
-        from torch._C._dynamo import eval_frame  # noqa: PLC0415 (optional, private module)
-
-        strategy = eval_frame._FrameExecStrategy(
-            eval_frame._FrameAction.SKIP, eval_frame._FrameAction.SKIP
-        )
-        eval_frame.set_code_exec_strategy(code, strategy)
-    except (ImportError, AttributeError, TypeError, RuntimeError):
-        return False
-    return True
-
-
-_HANDLER_SKIPPED_BY_DYNAMO = _skip_in_dynamo(_torch_dispatch.__code__)
+_HANDLER_SKIPPED_BY_DYNAMO = skip_code_in_dynamo(_torch_dispatch.__code__)
 
 
 class _CloneBeforeWriteMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's base is untyped
     """Clones saved tensors that an operator is about to write. See NOTE [Clone before write]."""
+
+    # The thread's node counter when last looked at, and the innermost pack hook known to be
+    # safe then. See NOTE [Saved-tensor hooks the context did not install].
+    sequence_nr = -1
+    known_pack: object = None
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -650,6 +899,24 @@ class _CloneBeforeWriteMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     __torch_dispatch__ = _torch_dispatch
 
+    def __enter__(self) -> Any:
+        entered = super().__enter__()  # type: ignore[no-untyped-call]  # untyped in torch
+        self._active = True
+        return entered
+
+    def __exit__(self, *args: object) -> Any:
+        self._active = False
+        return super().__exit__(*args)  # type: ignore[no-untyped-call]  # untyped in torch
+
+    def ignore_compile_internals(self) -> bool:  # type: ignore[override]  # asked of the instance
+        """False, as for any mode; asked by Dynamo before it compiles a frame, so warn there.
+
+        See NOTE [Contexts under torch.compile].
+        """
+        if getattr(self, "_active", False):
+            warn_compile_skipped("allow_mutation_on_saved_tensors")
+        return False
+
 
 def _mode_for_this_thread() -> contextlib.AbstractContextManager[object]:
     """A new clone-before-write mode, or nothing if this thread's innermost mode is one already.
@@ -658,11 +925,12 @@ def _mode_for_this_thread() -> contextlib.AbstractContextManager[object]:
     through one handler and each write protects each context once. A context entered under
     another mode pushes its own, which sees the operators that mode does not forward.
     """
-    if isinstance(_get_current_dispatch_mode(), _CloneBeforeWriteMode):
+    if isinstance(current_dispatch_mode(), _CloneBeforeWriteMode):
         return contextlib.nullcontext()
     return _CloneBeforeWriteMode()  # type: ignore[no-untyped-call]  # torch's __init__ is untyped
 
 
+@not_traced("allow_mutation_on_saved_tensors")  # See NOTE [Contexts under torch.compile]
 @contextlib.contextmanager
 def allow_mutation_on_saved_tensors() -> Generator[MutationContext, None, None]:
     """Context manager under which tensors saved for backward may be changed in place.
@@ -697,13 +965,13 @@ def allow_mutation_on_saved_tensors() -> Generator[MutationContext, None, None]:
 
     Raises:
         RuntimeError: on entry, if saved-tensor hooks are disabled by
-            ``disable_saved_tensors_hooks`` (the message is the one given there).
+            ``disable_saved_tensors_hooks`` (raised by torch, with the message given there).
         MutationContextExitedError: during backward, if the graph was recorded inside a context
-            that has exited since (a ``RuntimeError``; torch raises ``AssertionError``).
-        UnguardedHooksError: on an in-place write made while torch's own
-            ``torch.autograd.graph.saved_tensors_hooks`` (or torch's ``save_on_cpu``) is the
-            innermost pair inside the context: what those hooks save cannot be protected
-            (a ``RuntimeError``). ``torch.utils.checkpoint`` is allowed.
+            that has exited since (a ``RuntimeError``, and an ``AssertionError`` as torch's).
+        UnguardedHooksError: on an in-place write into a tensor that torch's own
+            ``torch.autograd.graph.saved_tensors_hooks`` (or torch's ``save_on_cpu``), pushed
+            inside the context, may have saved before the context took them over, or into a
+            tensor saved by ``torch.utils.checkpoint``'s recomputation (a ``RuntimeError``).
 
     Nesting and threads: contexts nest (torch raises); the inner one tracks what is saved inside
     it, so backward of a graph recorded there must run before it exits. Each thread has its own
@@ -715,8 +983,9 @@ def allow_mutation_on_saved_tensors() -> Generator[MutationContext, None, None]:
     view of it, unpack returns the save-time clone after a write.
     """
     global _open_contexts  # noqa: PLW0603 (replaced as a whole so readers need no lock)
+    _warn_if_unguarded()
     context = MutationContext()
-    _push_hooks(context._pack, _unpack)
+    push_saved_tensors_hooks(context._pack, _unpack)
     try:
         with use_save_guard(context._guard), _mode_for_this_thread():
             with _open_contexts_lock:
@@ -727,5 +996,5 @@ def allow_mutation_on_saved_tensors() -> Generator[MutationContext, None, None]:
                 with _open_contexts_lock:
                     _open_contexts = tuple(c for c in _open_contexts if c is not context)
     finally:
-        _pop_hooks()
+        pop_saved_tensors_hooks()
         context.clear()

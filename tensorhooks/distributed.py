@@ -6,23 +6,59 @@ parameters are grouped into buckets, one ``"all"`` multi-grad hook per bucket st
 asynchronous ``all_reduce`` on `torch.distributed` as soon as the bucket's gradients are
 complete, and at the end of backward every ``.grad`` holds the average across processes.
 
+See NOTE [What a bucket averages].
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._buckets import MIB, Bucket, assign_buckets
+from ._errors import GradientSyncError, SyncArgumentTypeError, SyncArgumentValueError
+from ._multigrad import register_multi_grad_hook
+from ._store import GraphTaskState, graph_task_store
+from ._torch_compat import (
+    current_autograd_node,
+    current_graph_task_id,
+    is_captured_accumulator,
+    will_engine_execute_node,
+)
+
+__all__ = ["GradientSyncHandle", "sync_gradients"]
+
 # NOTE [What a bucket averages]
 #
-# DistributedDataParallel averages ``p.grad`` *after* autograd accumulated this backward's
-# gradient into it, so that gradients accumulated locally under ``no_sync()`` are averaged by the
-# next synchronised backward. A tensor hook on a leaf runs *before* that accumulation (checked on
-# torch 2.13: the hook sees the old ``.grad``), and the bucket's hook is called from the tensor
-# hook of the last of its parameters to get a gradient. At that moment:
+# DistributedDataParallel averages ``p.grad`` as it stands once the parameter's gradient
+# accumulator has run: its reducer hooks the accumulator node's post hooks (reducer.cpp,
+# ``grad_accumulator->add_post_hook``), which the engine calls after the node ran the tensor's
+# hooks (registered before or after DDP), added the result to ``.grad`` and called
+# ``register_post_accumulate_grad_hook`` hooks, which may change ``.grad`` in place. So gradients
+# accumulated locally under ``no_sync()`` are averaged by the next synchronised backward, and
+# what users' hooks do (clipping, scaling) is averaged too. The bucket's hook is called from a
+# tensor hook of the last of its parameters to get a gradient, *before* that accumulation
+# (checked on torch 2.13: the hook sees the old ``.grad``, and hooks registered after
+# sync_gradients have not run). At that moment:
 #   * every other parameter of the bucket that got a gradient has been accumulated already: its
-#     accumulator ran to the end before the engine went on (the nodes of one device run one at a
-#     time on one thread, and a bucket holds one device), so ``p.grad`` is the value to average;
+#     accumulator ran to the end, post hooks included, before the engine went on (the nodes of
+#     one device run one at a time on one thread, and a bucket holds one device), so ``p.grad``
+#     is the value to average;
 #   * the parameter whose hook is running is the one the engine is executing
-#     (``torch._C._current_autograd_node()`` is its accumulator): its value is the old ``.grad``
-#     plus the hook's gradient, added the way the engine is about to add them;
+#     (``current_autograd_node()`` is its accumulator): the bucket is left pending
+#     (``GradientSyncHandle._deferred``) and is filled and launched from a post hook that
+#     sync_gradients puts on every accumulator of the bucket, once that node has run;
 #   * a parameter that gets no gradient in this backward keeps its ``.grad`` (or zeros), which
 #     holds what earlier ``no_sync()`` steps accumulated.
 # When the bucket's hook is called at the end of the task instead (multi-grad's late flush), no
-# node is executing and every parameter is accumulated. The buffer is written as ``grad * (1/W)``
+# node is executing and every parameter is accumulated. The buffer is written as ``.grad * (1/W)``
 # in one pass and summed across processes, as DDP's reducer does, so float64 results agree to the
 # last bits.
 #
@@ -47,30 +83,7 @@ complete, and at the end of backward every ``.grad`` holds the average across pr
 # with the handle (``_active``); the next synchronised backward, or ``remove()``, sees that the
 # graph task is gone from the store, waits for those works (every rank that failed the same way
 # launched the same ones), and only then writes into the buffers again.
-"""
 
-from __future__ import annotations
-
-import functools
-import threading
-import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
-from typing import Any
-
-import torch
-import torch.distributed as dist
-from torch.autograd.graph import Node
-
-from ._buckets import MIB, Bucket, assign_buckets
-from ._errors import GradientSyncError, InvalidHookArgumentError, InvalidSyncArgumentError
-from ._multigrad import _hook_fires, register_multi_grad_hook
-from ._store import GraphTaskState, graph_task_store
-
-__all__ = ["GradientSyncHandle", "sync_gradients"]
-
-_current_autograd_node: Callable[[], Node | None] = torch._C._current_autograd_node
-_will_engine_execute_node: Callable[[Node], bool] = torch._C._will_engine_execute_node
 
 _FIRST_BUCKET_BYTES = MIB
 """The first bucket is closed once it holds this much, so the first all-reduce starts early."""
@@ -107,6 +120,19 @@ class _SyncStep:
         self.works: list[Any] = []  # torch.distributed Work objects, in launch order
 
 
+class _Deferred:
+    """A bucket completed by one of its parameters' hooks, to be filled once its node has run."""
+
+    __slots__ = ("grads", "position", "step")
+
+    def __init__(
+        self, step: _SyncStep, grads: Sequence[torch.Tensor | None], position: int
+    ) -> None:
+        self.step = step
+        self.grads = grads
+        self.position = position  # the parameter whose accumulator is running
+
+
 class GradientSyncHandle:
     """Averages gradients across processes at every backward; returned by `sync_gradients`.
 
@@ -131,9 +157,18 @@ class GradientSyncHandle:
         self._no_sync_depth = 0
         self._active: _SyncStep | None = None
         self._params = tuple(params)
+        self._deferred: list[_Deferred | None] = [None] * len(self._buckets)
+        # Graph tasks in which an accumulator of these parameters ran, possibly ended (an
+        # insertion-ordered set, pruned when a backward call opens its step).
+        self._touched: dict[int, None] = {}
         self._hooks = [
             register_multi_grad_hook(bucket.params, self._bucket_hook(index), mode="all")
             for index, bucket in enumerate(self._buckets)
+        ]
+        self._hooks += [
+            node.register_hook(self._after_accumulation(index, position))
+            for index, bucket in enumerate(self._buckets)
+            for position, node in enumerate(bucket.accumulators)
         ]
 
     @property
@@ -184,9 +219,16 @@ class GradientSyncHandle:
 
         Raises:
             GradientSyncError: if called while a backward call is synchronising these
-                parameters.
+                parameters (a ``RuntimeError``).
         """
         with self._lock:
+            step = self._active
+            if step is not None and graph_task_store.is_live(step.task_id):
+                raise GradientSyncError(
+                    "sync_gradients: handle.remove() was called while backward call (graph task "
+                    f"{step.task_id}) is synchronising these parameters; call remove() after "
+                    "backward has returned (for example after optimizer.step())"
+                )
             self._finish_abandoned()
             hooks, self._hooks = self._hooks, []
         for hook in hooks:
@@ -200,9 +242,25 @@ class GradientSyncHandle:
 
         return on_bucket_complete
 
+    def _after_accumulation(self, index: int, position: int) -> Callable[..., None]:
+        """A post hook for the accumulator of parameter ``position`` of bucket ``index``."""
+        deferred = self._deferred
+        touched = self._touched
+
+        def after_accumulation(grad_inputs: Any, grad_outputs: Any) -> None:
+            task_id = current_graph_task_id()
+            touched[task_id] = None
+            pending = deferred[index]
+            if pending is None or pending.position != position or pending.step.task_id != task_id:
+                return
+            deferred[index] = None
+            self._fill(pending.step, index, pending.grads)
+
+        return after_accumulation
+
     def _on_bucket_complete(self, index: int, grads: Sequence[torch.Tensor | None]) -> None:
         task = graph_task_store.current()
-        step: _SyncStep | None = task.slots.get(self._key)
+        step: _SyncStep | None = task.peek(self._key)
         if step is None:
             step = task.get(self._key, lambda: self._open_step(task, index, grads))
         bucket = self._buckets[index]
@@ -216,8 +274,19 @@ class GradientSyncHandle:
                     f"sync_gradients: bucket {index} completed twice in one backward call "
                     f"(graph task {task.task_id}); this is a bug in tensorhooks, please report it"
                 )
+        node = current_autograd_node()
+        position = None if node is None else bucket.position_of_node.get(id(node))
+        if position is not None:
+            # Called before this node adds the gradient to .grad and runs the hooks registered
+            # after ours: fill once it has. See NOTE [What a bucket averages].
+            self._deferred[index] = _Deferred(step, grads, position)
+            return
+        self._fill(step, index, grads)
+
+    def _fill(self, step: _SyncStep, index: int, grads: Sequence[torch.Tensor | None]) -> None:
+        """Write bucket ``index`` from ``.grad``, launch what is ready, mark idle buckets."""
         with torch.no_grad():
-            idle = bucket.fill(grads, _current_autograd_node(), self._scale)
+            idle = self._buckets[index].fill(grads, self._scale)
         with step.lock:
             step.ready[index] = True
             step.idle[index] = idle
@@ -233,15 +302,33 @@ class GradientSyncHandle:
         accumulates = not _captured(self._buckets[index], grads)
         sync = accumulates and self._no_sync_depth == 0
         step = _SyncStep(task.task_id, len(self._buckets), sync, accumulates)
+        outer = self._other_live_task(task.task_id)
         if not sync:
             return step
         with self._lock:
+            if outer is not None:
+                raise GradientSyncError(_nested_message(task.task_id, outer))
             self._finish_abandoned()
             self._active = step
         # The callback must not hold the task: the task holds its callbacks, and a cycle would
         # keep this backward's state (buffered gradients included) alive until the next GC.
         task.on_end(functools.partial(self._end_step, step), order=1)
         return step
+
+    def _other_live_task(self, task_id: int) -> int | None:
+        """A graph task other than ``task_id`` that ran an accumulator of ours and is running.
+
+        Forgets the ended ones. See NOTE [Nested backward calls].
+        """
+        other = None
+        for seen in list(self._touched):
+            if seen == task_id:
+                continue
+            if graph_task_store.is_live(seen):
+                other = seen
+            else:
+                self._touched.pop(seen, None)
+        return other
 
     def _mark_idle_buckets(self, step: _SyncStep, first: int) -> None:
         """Fill and mark ready the buckets none of whose parameters run in this backward.
@@ -252,7 +339,7 @@ class GradientSyncHandle:
         idle = [
             other
             for other, bucket in enumerate(self._buckets)
-            if other != first and not any(map(_hook_fires, bucket.accumulators))
+            if other != first and not any(map(will_engine_execute_node, bucket.accumulators))
         ]
         if not idle:
             return
@@ -292,7 +379,7 @@ class GradientSyncHandle:
         step = self._active
         if step is None:
             return
-        if step.task_id in graph_task_store.tasks_by_id:
+        if graph_task_store.is_live(step.task_id):
             raise GradientSyncError(
                 "sync_gradients: these parameters are already being synchronised by backward "
                 f"call (graph task) {step.task_id}; two backward calls cannot synchronise the "
@@ -300,7 +387,42 @@ class GradientSyncHandle:
                 "torch.utils.checkpoint, pass use_reentrant=False"
             )
         self._active = None
+        self._deferred[:] = [None] * len(self._deferred)
         _wait_all(step.works)
+
+
+# NOTE [Nested backward calls]
+#
+# torch.utils.checkpoint(..., use_reentrant=True) recomputes each checkpointed block during
+# backward and runs a nested backward call (a graph task of its own) through it, from inside a node
+# of the outer one. A bucket's multi-grad hook counts per graph task, so a bucket whose parameters
+# run in several tasks completes once in each, and the outer task, when it opens its step, counts
+# the buckets of checkpointed blocks as idle (none of their accumulators runs in it) and launches
+# them with stale ``.grad``. The engine does not say which task a nested one runs in, so that cannot
+# be undone soundly; DistributedDataParallel needs ``static_graph=True`` for the same reason. It is
+# refused instead, at the first synchronised backward: a backward call that opens a synchronised
+# step while another graph task that ran an accumulator of these parameters is still running
+# raises, with the advice to pass ``use_reentrant=False`` (same gradients, one graph task). The
+# post hook on every accumulator records the tasks (``_touched``). Two threads running backward
+# on these parameters at once are refused by the same check. Not caught: a model whose
+# synchronised parameters all sit inside reentrant checkpoints, where the outer task runs none of
+# their accumulators; there every nested task synchronises on its own, which averages each
+# gradient once it is complete (averaging what is already averaged changes nothing, up to
+# rounding when the world size is not a power of two), at the cost of extra collectives.
+
+
+def _nested_message(task_id: int, outer: int) -> str:
+    return (
+        f"sync_gradients: backward call (graph task {task_id}) reached these parameters while "
+        f"another backward call that reached them (graph task {outer}) is still running. "
+        "torch.utils.checkpoint(..., use_reentrant=True) does this: it runs a nested backward "
+        "for each checkpointed block, and gradients split across backward calls cannot be "
+        "averaged as one step. Pass use_reentrant=False, which gives the same gradients "
+        "(transformers: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+        "{'use_reentrant': False})); DistributedDataParallel needs static_graph=True for "
+        "reentrant checkpointing. Two threads running backward on these parameters at once do "
+        "this too: run them one after the other"
+    )
 
 
 def _wait_all(works: list[Any]) -> None:
@@ -317,11 +439,7 @@ def _captured(bucket: Bucket, grads: Sequence[torch.Tensor | None]) -> bool:
     """
     for node, grad in zip(bucket.accumulators, grads, strict=True):
         if grad is not None:
-            try:
-                _will_engine_execute_node(node)
-            except RuntimeError:
-                return True
-            return False
+            return is_captured_accumulator(node)
     return False
 
 
@@ -331,15 +449,21 @@ def _collect_params(
     if isinstance(module_or_params, torch.nn.Module):
         candidates: list[Any] = list(module_or_params.parameters())
     elif isinstance(module_or_params, torch.Tensor):
-        raise InvalidHookArgumentError(
+        raise SyncArgumentTypeError(
             "sync_gradients: module_or_params must be a Module or an iterable of tensors, got a "
             "single Tensor; wrap it in a list: sync_gradients([tensor])"
+        )
+    elif isinstance(module_or_params, (str, bytes)):  # type: ignore[unreachable]  # a mistake seen
+        raise SyncArgumentTypeError(
+            "sync_gradients: module_or_params must be a Module or an iterable of tensors, got "
+            f"the {type(module_or_params).__name__} {module_or_params!r}; pass the module "
+            "object itself (sync_gradients(model)), or model.parameters()"
         )
     else:
         try:
             candidates = list(module_or_params)
         except TypeError:
-            raise InvalidHookArgumentError(
+            raise SyncArgumentTypeError(
                 "sync_gradients: module_or_params must be a Module or an iterable of tensors, "
                 f"got {module_or_params!r} of type {type(module_or_params).__name__}"
             ) from None
@@ -347,14 +471,14 @@ def _collect_params(
     seen: set[int] = set()
     for index, param in enumerate(candidates):
         if not isinstance(param, torch.Tensor):
-            raise InvalidHookArgumentError(
+            raise SyncArgumentTypeError(
                 f"sync_gradients: parameter {index} is {param!r} of type "
                 f"{type(param).__name__}, not a torch.Tensor; pass a Module or tensors"
             )
         if not param.requires_grad or id(param) in seen:
             continue
         if not param.is_leaf:
-            raise InvalidSyncArgumentError(
+            raise SyncArgumentValueError(
                 f"sync_gradients: parameter {index} (shape {tuple(param.shape)}) is not a leaf "
                 f"tensor (grad_fn={type(param.grad_fn).__name__}); gradients are only "
                 "accumulated into .grad of leaves: pass parameters, not results of operations"
@@ -369,7 +493,7 @@ def _claim(params: Sequence[torch.Tensor]) -> None:
         for index, param in enumerate(params):
             ref = _synced.get(id(param))
             if ref is not None and ref() is param:
-                raise InvalidSyncArgumentError(
+                raise SyncArgumentValueError(
                     f"sync_gradients: parameter {index} (shape {tuple(param.shape)}) is already "
                     "synchronised by another handle; call .remove() on that handle first, or "
                     "its gradients would be averaged twice"
@@ -434,31 +558,46 @@ def sync_gradients(
         accumulation, ``handle.remove()`` stops synchronising.
 
     Raises:
-        InvalidHookArgumentError: (a ``TypeError``) if ``module_or_params`` is not a module or
-            an iterable of tensors.
-        InvalidSyncArgumentError: (a ``ValueError``) if ``bucket_cap_mb`` is not positive, no
-            tensor requires grad, a tensor is not a leaf or is already synchronised by another
-            handle, or torch.distributed is not initialised.
-        GradientSyncError: (a ``RuntimeError``, from ``backward()``) if a gradient is sparse, or
-            two backward calls synchronise the same parameters at once.
+        SyncArgumentTypeError: if ``module_or_params`` is not a module or an iterable of
+            tensors, ``bucket_cap_mb`` is not a number, or ``process_group`` is not a process
+            group (a ``TypeError``).
+        SyncArgumentValueError: if ``bucket_cap_mb`` is not finite and positive, no tensor
+            requires grad, a tensor is not a leaf or is already synchronised by another handle,
+            this process is not in ``process_group``, or torch.distributed is not initialised (a
+            ``ValueError``).
+        GradientSyncError: from ``backward()``, if a gradient is sparse or two backward calls
+            synchronise the same parameters at once (a ``RuntimeError``); from ``handle.remove()``
+            during a synchronising backward.
 
     Every process must call backward the same number of times on these parameters, as with
     DistributedDataParallel; the end of backward waits for the other processes.
     """
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
-        raise InvalidHookArgumentError(
+        raise SyncArgumentTypeError(
             f"sync_gradients: bucket_cap_mb must be a number of MiB, got {bucket_cap_mb!r} of "
             f"type {type(bucket_cap_mb).__name__}"
         )
+    if not math.isfinite(bucket_cap_mb):
+        raise SyncArgumentValueError(
+            f"sync_gradients: bucket_cap_mb must be a finite number of MiB, got {bucket_cap_mb!r}; "
+            "the default is 25.0 (DistributedDataParallel's)"
+        )
     cap_bytes = int(bucket_cap_mb * MIB)
     if not cap_bytes > 0:
-        raise InvalidSyncArgumentError(
+        raise SyncArgumentValueError(
             f"sync_gradients: bucket_cap_mb must be positive (at least one byte), got "
             f"{bucket_cap_mb!r}; the default is 25.0"
         )
+    # The parameters first: a wrong first argument is reported even without a process group.
+    params = _collect_params(module_or_params)
+    if not params:
+        raise SyncArgumentValueError(
+            "sync_gradients: no tensor requires grad, so there is nothing to synchronise; pass "
+            "the module or parameters that are trained"
+        )
     if process_group is None:
         if not (dist.is_available() and dist.is_initialized()):
-            raise InvalidSyncArgumentError(
+            raise SyncArgumentValueError(
                 "sync_gradients: torch.distributed has no default process group; call "
                 "torch.distributed.init_process_group(...) first (torchrun sets up its "
                 "environment), or pass process_group"
@@ -466,21 +605,15 @@ def sync_gradients(
         process_group = dist.group.WORLD
         assert process_group is not None  # narrowed: initialised above
     elif not isinstance(process_group, dist.ProcessGroup):
-        raise InvalidHookArgumentError(
+        raise SyncArgumentTypeError(
             f"sync_gradients: process_group must be a torch.distributed.ProcessGroup or None, "
             f"got {process_group!r} of type {type(process_group).__name__}"
         )
     world_size = dist.get_world_size(process_group)
     if world_size < 1:
-        raise InvalidSyncArgumentError(
+        raise SyncArgumentValueError(
             f"sync_gradients: this process (global rank {dist.get_rank()}) is not a member of "
             f"process_group (world size {world_size}); call sync_gradients only on its ranks"
-        )
-    params = _collect_params(module_or_params)
-    if not params:
-        raise InvalidSyncArgumentError(
-            "sync_gradients: no tensor requires grad, so there is nothing to synchronise; pass "
-            "the module or parameters that are trained"
         )
     _claim(params)
     try:

@@ -9,6 +9,8 @@ from typing import NamedTuple
 import torch
 from hypothesis import strategies as st
 
+from tensorhooks.testing import Square
+
 # --- autograd programs --------------------------------------------------------------------------
 #
 # A program starts from a few leaves of shape (4, 4) and appends one value per step, each computed
@@ -17,20 +19,6 @@ from hypothesis import strategies as st
 # trips, slices, unbind) and a custom autograd.Function with save_for_backward.
 
 SHAPE = (4, 4)
-
-
-class Square(torch.autograd.Function):
-    """x * x through save_for_backward, to exercise custom Functions' saved tensors."""
-
-    @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x)
-        return x * x
-
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
-        (x,) = ctx.saved_tensors  # type: ignore[attr-defined]
-        return 2 * x * grad
 
 
 class FailingBackward(torch.autograd.Function):

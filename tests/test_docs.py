@@ -10,9 +10,16 @@ marks a block that is not run (one that needs several processes, say); the reaso
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
+import os
 import re
+import subprocess
+import sys
+import tempfile
+import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -37,7 +44,17 @@ def python_blocks(page: Path) -> list[tuple[int, str, str]]:
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: page.relative_to(ROOT).as_posix())
 def test_page_examples_run(page: Path) -> None:
     """Each python block of the page runs without error; its asserts hold."""
-    namespace: dict[str, object] = {"__name__": f"docs_{page.stem}"}
+    # A real module, so that code inspecting a function's module (Dynamo imports it) finds it.
+    module = types.ModuleType(f"docs_{page.stem}")
+    namespace = module.__dict__
+    sys.modules[module.__name__] = module
+    try:
+        _run_blocks(page, namespace)
+    finally:
+        del sys.modules[module.__name__]
+
+
+def _run_blocks(page: Path, namespace: dict[str, object]) -> None:
     for line, marker, code in python_blocks(page):
         if marker.startswith("skip"):
             assert marker.removeprefix("skip").strip(), f"{page.name}:{line}: give a reason to skip"
@@ -70,3 +87,60 @@ def test_every_page_has_examples_found() -> None:
         "distributed",
     ):
         assert len(python_blocks(ROOT / "docs" / f"{name}.md")) >= 3, name
+
+
+def _check_rendered() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "check_rendered", ROOT / "docs" / "_ext" / "check_rendered.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_public_name_has_a_generated_reference() -> None:
+    """Each name of tensorhooks.__all__ has a `::: tensorhooks.X` block on some page."""
+    documented: set[str] = set()
+    for page in (ROOT / "docs").glob("*.md"):
+        documented |= set(re.findall(r"^::: (tensorhooks\.[\w.]+)", page.read_text(), re.M))
+    assert set(_check_rendered().public_names(ROOT / "tensorhooks" / "__init__.py")) <= documented
+
+
+def test_rendered_check_reads_examples_as_code() -> None:
+    """The rendered-site check passes an example rendered as code, flags one rendered as quotes."""
+    check = _check_rendered()
+    code = '<span class="doc-section-title">Examples:</span></p>\n<div class="highlight"><pre>'
+    quoted = '<details class="example" open>\n<blockquote>\n<blockquote>\n<p>&gt;&gt;&gt; import'
+    anchor = '<h2 id="tensorhooks.x">'
+    with tempfile.TemporaryDirectory() as directory:
+        site = Path(directory)
+        (site / "good.html").write_text(code + anchor)
+        assert check.problems(site, ["tensorhooks.x"]) == []
+        (site / "bad.html").write_text(quoted)
+        assert check.problems(site, ["tensorhooks.x", "tensorhooks.y"]) == [
+            "bad.html: >>> prompts render as Markdown quotes or text",
+            "bad.html: an Example section renders as an admonition",
+            "no reference for tensorhooks.y",
+        ]
+
+
+@pytest.mark.slow
+def test_built_site_renders_every_example_as_code(tmp_path: Path) -> None:
+    """`mkdocs build` (where the docs extra is installed) gives a site the check passes."""
+    pytest.importorskip("mkdocstrings")
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert done.returncode == 0, done.stderr
+    check = _check_rendered()
+    assert (
+        check.problems(tmp_path / "site", check.public_names(ROOT / "tensorhooks" / "__init__.py"))
+        == []
+    )

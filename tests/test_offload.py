@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import inspect
 import re
@@ -20,10 +21,13 @@ from hypothesis import strategies as st
 from torch.utils.checkpoint import checkpoint
 
 import tensorhooks as th
-from tensorhooks import _offload
-from tensorhooks._offload import _copy_strides, _HostPool, _offload_cpu_tensors_for_testing
-from tensorhooks._saved import VersionGuard, use_save_guard
+from tensorhooks._guards import VersionGuard, use_save_guard
+from tensorhooks._offload_engines import copy_engine_provider
+from tensorhooks._offload_pool import HostPool, OffloadStats
+from tensorhooks._offload_records import Offloaded, copy_strides
+from tensorhooks._offload_session import thread_timeline
 
+from .simdevice import SimulatedEngine, simulated_device
 from .strategies import OffloadProgram, offload_options, offload_programs
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -32,7 +36,9 @@ MODIFIED = "modified by an inplace operation"
 
 
 class _GenericGuard(VersionGuard):
-    """A VersionGuard by behaviour but not by type: save_on_cpu then uses ``guard.wrap``."""
+    """A VersionGuard by behaviour that declares no inlining: save_on_cpu then uses ``wrap``."""
+
+    version_check_may_be_inlined = False
 
 
 @pytest.fixture(params=["inline guard", "wrapped guard"])
@@ -43,6 +49,13 @@ def guard_path(request: pytest.FixtureRequest) -> Iterator[None]:
     else:
         with use_save_guard(_GenericGuard()):
             yield
+
+
+@pytest.fixture
+def sim() -> Iterator[SimulatedEngine]:
+    """A simulated device with a side stream: the test's CPU tensors are offloaded through it."""
+    with simulated_device() as engine:
+        yield engine
 
 
 def _mul_in_place(a: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
@@ -131,7 +144,7 @@ def mlp_grads(
     return torch.autograd.grad(loss, list(model.parameters()))
 
 
-def copies(sim: _offload._SimulatedEngine, kind: str = "to_host") -> list[int]:
+def copies(sim: SimulatedEngine, kind: str = "to_host") -> list[int]:
     """The sequence numbers of the simulated copies of one kind, in issue order."""
     return [tag for op, tag in sim.log if op == kind]
 
@@ -176,9 +189,34 @@ class TestSaveOnCpu:
         with pytest.raises(TypeError):
             th.save_on_cpu(**kwargs)
 
+    @pytest.mark.parametrize("value", ["yes", "false", ""])
+    def test_pin_memory_refuses_a_string(self, value: str) -> None:
+        """A string pin_memory is refused: torch reads "false" as True."""
+        with pytest.raises(
+            th.InvalidHookArgumentError, match=r"pin_memory must be a bool, got '.*' of type str"
+        ):
+            th.save_on_cpu(value)  # type: ignore[arg-type]
+
     @pytest.mark.parametrize(
-        ("value", "expected"), [(1, True), (0, False), ("yes", True), (None, False)]
+        ("device_type", "match"),
+        [
+            ("nonsense", r"device_type 'nonsense' is not a device type: Expected one of cpu"),
+            ("cuda:0", r"device type without an index, got 'cuda:0'; pass 'cuda'"),
+        ],
     )
+    def test_unknown_device_type_raises(self, device_type: str, match: str) -> None:
+        """A device_type torch does not know is a ValueError (torch falls back to CUDA's)."""
+        torch.autograd.graph.save_on_cpu(device_type=device_type)
+        with pytest.raises(th.InvalidOffloadOptionError, match=match) as caught:
+            th.save_on_cpu(device_type=device_type)
+        assert isinstance(caught.value, ValueError)
+
+    @pytest.mark.parametrize("device_type", ["cuda", "xpu", "mps", "cpu", "privateuseone"])
+    def test_known_device_types_accepted(self, device_type: str) -> None:
+        """Every device type torch parses is accepted, available or not."""
+        assert th.save_on_cpu(device_type=device_type).device_type == device_type
+
+    @pytest.mark.parametrize(("value", "expected"), [(1, True), (0, False), (None, False)])
     def test_pin_memory_takes_any_truthy_value(self, value: object, expected: bool) -> None:
         """pin_memory is read as a truth value, as torch's save_on_cpu reads it."""
         hooks = th.save_on_cpu(value)  # type: ignore[arg-type]  # torch accepts it
@@ -213,7 +251,7 @@ class TestSaveOnCpu:
         hooks = th.save_on_cpu(min_offload_bytes=0)
         t = torch.randn(3, 4)
         assert torch.equal(hooks.unpack_hook(hooks.pack_hook(t)), t)
-        with _offload_cpu_tensors_for_testing():
+        with simulated_device():
             packed = hooks.pack_hook(t)
             assert not isinstance(packed, torch.Tensor)
             assert torch.equal(hooks.unpack_hook(packed), t)
@@ -281,7 +319,7 @@ class TestSaveOnCpu:
         hooks = th.save_on_cpu(pin_memory=where == "small tensor")
         with contextlib.ExitStack() as stack:
             if where == "small tensor":
-                stack.enter_context(_offload_cpu_tensors_for_testing())
+                stack.enter_context(simulated_device())
             if where == "allow_mutation":
                 stack.enter_context(th.allow_mutation_on_saved_tensors())
             if where == "direct pack_hook call":
@@ -304,10 +342,10 @@ class TestSaveOnCpu:
         """Random programs: grads under offloading equal plain autograd's and torch's."""
         plain = run_program(program)
         assert_grads_equal(run_program(program, torch.autograd.graph.save_on_cpu()), plain)
-        with _offload_cpu_tensors_for_testing() as sim:
+        with simulated_device() as sim:
             assert_grads_equal(run_program(program, th.save_on_cpu(**options)), plain)
         assert sim.live_sources() == 0
-        with _offload_cpu_tensors_for_testing(), use_save_guard(_GenericGuard()):
+        with simulated_device(), use_save_guard(_GenericGuard()):
             assert_grads_equal(run_program(program, th.save_on_cpu(**options)), plain)
 
     @given(program=offload_programs(inplace=True), options=offload_options())
@@ -320,7 +358,7 @@ class TestSaveOnCpu:
             assert MODIFIED in str(plain)
         reference = run_program(program, clone_hooks())
         for guard in (VersionGuard(), _GenericGuard()):
-            with _offload_cpu_tensors_for_testing(), use_save_guard(guard):
+            with simulated_device(), use_save_guard(guard):
                 ours = program_outcome(program, th.save_on_cpu(**options))
             if isinstance(ours, RuntimeError):
                 assert isinstance(ours, th.SavedTensorModifiedError)
@@ -329,7 +367,7 @@ class TestSaveOnCpu:
             else:
                 assert_grads_equal(ours, reference if isinstance(plain, RuntimeError) else plain)
 
-    def test_tensor_saved_by_several_ops_is_copied_once(self) -> None:
+    def test_tensor_saved_by_several_ops_is_copied_once(self, sim: SimulatedEngine) -> None:
         """X feeding three ops is copied to the host once and fetched back once."""
         x = torch.randn(4, 4, requires_grad=True)
         ws = [torch.randn(4, 4, requires_grad=True) for _ in range(3)]
@@ -339,15 +377,14 @@ class TestSaveOnCpu:
             return sum((h * w).sum() for w in ws)  # type: ignore[return-value]
 
         expected = torch.autograd.grad(f(), [x, *ws])
-        with _offload_cpu_tensors_for_testing() as sim:
-            with th.save_on_cpu(pin_memory=True, min_offload_bytes=0):
-                loss = f()
-            # h (saved by tanh and the three muls) and the three ws: 4 copies, not 7.
-            assert len(copies(sim)) == 4
-            assert_grads_equal(torch.autograd.grad(loss, [x, *ws]), expected)
-            assert sorted(copies(sim, "to_device")) == [0, 1, 2, 3]
+        with th.save_on_cpu(pin_memory=True, min_offload_bytes=0):
+            loss = f()
+        # h (saved by tanh and the three muls) and the three ws: 4 copies, not 7.
+        assert len(copies(sim)) == 4
+        assert_grads_equal(torch.autograd.grad(loss, [x, *ws]), expected)
+        assert sorted(copies(sim, "to_device")) == [0, 1, 2, 3]
 
-    def test_tensor_saved_at_two_versions_gets_two_copies(self) -> None:
+    def test_tensor_saved_at_two_versions_gets_two_copies(self, sim: SimulatedEngine) -> None:
         """A tensor changed in place between two saves is copied again, not served stale."""
         x = torch.randn(4, 4, requires_grad=True)
         w = torch.randn(4, 4, requires_grad=True)
@@ -361,11 +398,10 @@ class TestSaveOnCpu:
             return (a * b).sum()
 
         expected = torch.autograd.grad(f_with(clone_hooks(), f), (x, w))
-        with _offload_cpu_tensors_for_testing() as sim:
-            with th.save_on_cpu(pin_memory=True, min_offload_bytes=0, max_in_flight=0):
-                loss = f()
-            to_host = copies(sim)
-            assert_grads_equal(torch.autograd.grad(loss, (x, w)), expected)
+        with th.save_on_cpu(pin_memory=True, min_offload_bytes=0, max_in_flight=0):
+            loss = f()
+        to_host = copies(sim)
+        assert_grads_equal(torch.autograd.grad(loss, (x, w)), expected)
         # h at version 0, w, h at version 1 (w deduped), a, b.
         assert len(to_host) == 5
 
@@ -382,47 +418,45 @@ class TestSaveOnCpu:
         with pytest.raises(th.SavedTensorModifiedError, match=MODIFIED):
             (a * b).sum().backward()
 
-    def test_reused_id_is_not_mistaken_for_a_saved_tensor(self) -> None:
+    def test_reused_id_is_not_mistaken_for_a_saved_tensor(self, sim: SimulatedEngine) -> None:
         """A new tensor at a dead tensor's id (and address) gets its own copy."""
         w = torch.randn(4, 4, requires_grad=True)
-        with _offload_cpu_tensors_for_testing() as sim:
-            with th.save_on_cpu(pin_memory=True, min_offload_bytes=0, max_in_flight=0):
-                first = w.exp()  # exp saves its result
-                loss = (first * 2).sum()  # a mul by a scalar saves nothing
-                assert _offload._simulation is not None
-                timeline = _offload._simulation.timelines.by_device[first.device]
-                stale = timeline.saved[id(first)]
-                del first
-                candidate = w * 1.5
-                # Whether CPython puts the new tensor at the dead one's id is up to its allocator;
-                # file the dead tensor's entry under the new id, as a reused id would find it.
-                timeline.saved[id(candidate)] = stale
-                loss = loss + candidate.sin().sum()
-            n_copies = len(copies(sim))
-            (grad,) = torch.autograd.grad(loss, w)
+        with th.save_on_cpu(pin_memory=True, min_offload_bytes=0, max_in_flight=0):
+            first = w.exp()  # exp saves its result
+            loss = (first * 2).sum()  # a mul by a scalar saves nothing
+            timeline = thread_timeline(first.device)
+            stale = timeline.saved[id(first)]
+            del first
+            candidate = w * 1.5
+            # Whether CPython puts the new tensor at the dead one's id is up to its allocator;
+            # file the dead tensor's entry under the new id, as a reused id would find it.
+            timeline.saved[id(candidate)] = stale
+            loss = loss + candidate.sin().sum()
+        n_copies = len(copies(sim))
+        (grad,) = torch.autograd.grad(loss, w)
         assert n_copies == 2  # exp's result and candidate
         wd = w.detach()
         torch.testing.assert_close(grad, 2 * wd.exp() + 1.5 * (1.5 * wd).cos())
 
-    def test_small_tensors_stay(self) -> None:
+    def test_small_tensors_stay(self, sim: SimulatedEngine) -> None:
         """Tensors under min_offload_bytes are not copied; those at the threshold are."""
         x = torch.randn(4, requires_grad=True)  # 16 bytes
         y = torch.randn(5, requires_grad=True)  # 20 bytes
-        with _offload_cpu_tensors_for_testing() as sim:
-            with th.save_on_cpu(pin_memory=True, min_offload_bytes=20):
-                a = x.exp()
-                b = y.exp()
-            assert len(copies(sim)) == 1
-            (a.sum() + b.sum()).backward()
+        with th.save_on_cpu(pin_memory=True, min_offload_bytes=20):
+            a = x.exp()
+            b = y.exp()
+        assert len(copies(sim)) == 1
+        (a.sum() + b.sum()).backward()
         assert x.grad is not None
         assert y.grad is not None
         torch.testing.assert_close(x.grad, x.detach().exp())
         torch.testing.assert_close(y.grad, y.detach().exp())
 
+    @pytest.mark.usefixtures("sim")
     def test_small_tensor_changed_in_place_raises(self, guard_path: None) -> None:
         """A tensor left on its device because of its size is guarded like a CPU tensor."""
         x = torch.randn(4, requires_grad=True)
-        with _offload_cpu_tensors_for_testing(), th.save_on_cpu(pin_memory=True):
+        with th.save_on_cpu(pin_memory=True):
             y = x.exp()
         with torch.no_grad():
             y.add_(1)
@@ -430,18 +464,17 @@ class TestSaveOnCpu:
             y.sum().backward()
 
     @pytest.mark.parametrize("pin_memory", [False, True])
-    def test_parameters_and_their_views_stay(self, pin_memory: bool) -> None:
+    def test_parameters_and_their_views_stay(self, sim: SimulatedEngine, pin_memory: bool) -> None:
         """Parameters and views of them (Linear saves weight.t()) are not copied by default."""
         model = torch.nn.Linear(4, 4)
         x = torch.randn(2, 4, requires_grad=True)
         expected = mlp_grads(model, x)
-        with _offload_cpu_tensors_for_testing() as sim:
-            with th.save_on_cpu(pin_memory=pin_memory, min_offload_bytes=0):
-                out = model(x)
-            saved = [getattr(out.grad_fn, name) for name in ("_saved_mat2", "_saved_mat1")]
-            assert_grads_equal(
-                torch.autograd.grad(out.pow(2).sum(), list(model.parameters())), expected
-            )
+        with th.save_on_cpu(pin_memory=pin_memory, min_offload_bytes=0):
+            out = model(x)
+        saved = [getattr(out.grad_fn, name) for name in ("_saved_mat2", "_saved_mat1")]
+        assert_grads_equal(
+            torch.autograd.grad(out.pow(2).sum(), list(model.parameters())), expected
+        )
         # mat2 is weight.t(): handed back as-is, sharing the parameter's storage.
         assert isinstance(saved[0], torch.Tensor)
         assert saved[0].data_ptr() == model.weight.data_ptr()
@@ -449,20 +482,20 @@ class TestSaveOnCpu:
         assert saved[1].data_ptr() != x.data_ptr()
         assert len(copies(sim)) == (1 if pin_memory else 0)
 
-    def test_offload_parameters_copies_them(self) -> None:
+    def test_offload_parameters_copies_them(self, sim: SimulatedEngine) -> None:
         """offload_parameters=True copies parameters and views of them too."""
         model = torch.nn.Linear(4, 4)
         x = torch.randn(2, 4, requires_grad=True)
         expected = mlp_grads(model, x)
-        with _offload_cpu_tensors_for_testing() as sim:
-            hooks = th.save_on_cpu(pin_memory=True, min_offload_bytes=0, offload_parameters=True)
-            assert_grads_equal(mlp_grads(model, x, hooks), expected)
+        hooks = th.save_on_cpu(pin_memory=True, min_offload_bytes=0, offload_parameters=True)
+        assert_grads_equal(mlp_grads(model, x, hooks), expected)
         assert len(copies(sim)) == 3  # x, weight.t() and the output (saved by pow)
 
+    @pytest.mark.usefixtures("sim")
     def test_parameter_changed_in_place_raises(self, guard_path: None) -> None:
         """An optimizer-style update of a saved parameter before backward raises."""
         model = torch.nn.Linear(4, 4)
-        with _offload_cpu_tensors_for_testing(), th.save_on_cpu(min_offload_bytes=0):
+        with th.save_on_cpu(min_offload_bytes=0):
             loss = model(torch.randn(2, 4, requires_grad=True)).sum()  # saves weight.t()
         with torch.no_grad():
             model.weight.add_(1)
@@ -489,7 +522,7 @@ class TestSaveOnCpu:
             base = torch.randn(4, 4, dtype=dtype, requires_grad=True) * 1
             saved_view = make(base)
             with (
-                _offload_cpu_tensors_for_testing(),
+                simulated_device(),
                 th.save_on_cpu(pin_memory=pin_memory, min_offload_bytes=0),
             ):
                 out = saved_view.sin()
@@ -501,18 +534,20 @@ class TestSaveOnCpu:
             assert restored.data_ptr() != saved_view.data_ptr()
             if restored.stride() != saved_view.stride():
                 assert restored.is_contiguous()
-                assert _copy_strides(saved_view) != saved_view.stride()
+                assert copy_strides(saved_view) != saved_view.stride()
 
+    @pytest.mark.usefixtures("sim")
     def test_restored_channels_last_keeps_strides(self) -> None:
         """A channels-last activation comes back channels-last."""
         x = torch.randn(2, 3, 4, 5, requires_grad=True).to(memory_format=torch.channels_last)
-        with _offload_cpu_tensors_for_testing(), th.save_on_cpu(True, min_offload_bytes=0):
+        with th.save_on_cpu(True, min_offload_bytes=0):
             out = x.sin()
         restored = out.grad_fn._saved_self  # type: ignore[union-attr]
         assert restored.stride() == x.stride()
         assert torch.equal(restored, x)
 
     @pytest.mark.parametrize("pin_memory", [False, True])
+    @pytest.mark.usefixtures("sim")
     def test_integer_and_bool_saved_tensors(self, pin_memory: bool) -> None:
         """Index (int64) and mask (bool) tensors saved by gather and where come back intact."""
         x = torch.randn(6, 6, requires_grad=True)
@@ -523,10 +558,9 @@ class TestSaveOnCpu:
             return (torch.where(mask, x, x * 2).gather(1, index) ** 2).sum()
 
         expected = torch.autograd.grad(f(), x)
-        with _offload_cpu_tensors_for_testing():
-            with th.save_on_cpu(pin_memory=pin_memory, min_offload_bytes=0):
-                loss = f()
-            assert_grads_equal(torch.autograd.grad(loss, x), expected)
+        with th.save_on_cpu(pin_memory=pin_memory, min_offload_bytes=0):
+            loss = f()
+        assert_grads_equal(torch.autograd.grad(loss, x), expected)
 
     @pytest.mark.parametrize("simulated", [False, True])
     @pytest.mark.parametrize("pin_memory", [False, True])
@@ -543,7 +577,7 @@ class TestSaveOnCpu:
             return torch.sparse.mm(sparse, dense).pow(2).sum()
 
         expected = torch.autograd.grad(f(), (sparse, dense))
-        switch = _offload_cpu_tensors_for_testing() if simulated else nullcontext()
+        switch = simulated_device() if simulated else nullcontext()
         with switch:
             with th.save_on_cpu(pin_memory=pin_memory, min_offload_bytes=0):
                 loss = f()
@@ -553,6 +587,7 @@ class TestSaveOnCpu:
         assert_grads_equal(grads[1:], expected[1:])
 
     @pytest.mark.parametrize("pin_memory", [False, True])
+    @pytest.mark.usefixtures("sim")
     def test_double_backward(self, pin_memory: bool) -> None:
         """Grad of grad through offloaded tensors equals plain autograd's."""
         x = torch.randn(5, requires_grad=True)
@@ -565,8 +600,7 @@ class TestSaveOnCpu:
             return torch.autograd.grad(gx.pow(2).sum(), (x, w))
 
         expected = second(nullcontext())
-        with _offload_cpu_tensors_for_testing():
-            got = second(th.save_on_cpu(pin_memory=pin_memory, min_offload_bytes=0))
+        got = second(th.save_on_cpu(pin_memory=pin_memory, min_offload_bytes=0))
         assert_grads_equal(got, expected)
 
     @pytest.mark.parametrize("use_reentrant", [False, True])
@@ -587,7 +621,7 @@ class TestSaveOnCpu:
                     return model[2:](model[:2](inp))  # type: ignore[no-any-return]
             return model[2:](model[:2](inp))  # type: ignore[no-any-return]
 
-        with _offload_cpu_tensors_for_testing():
+        with simulated_device():
             outer = nullcontext() if inside else th.save_on_cpu(True, min_offload_bytes=0)
             with outer:
                 out = checkpoint(block, x, use_reentrant=use_reentrant)
@@ -595,19 +629,19 @@ class TestSaveOnCpu:
             loss.backward()
         assert_grads_equal(tuple(p.grad for p in params), tuple(expected))
 
+    @pytest.mark.usefixtures("sim")
     def test_retain_graph_backward_twice(self) -> None:
         """Two backward calls over one offloaded graph give the same grads."""
         model = mlp()
         x = torch.randn(3, 8)
-        with _offload_cpu_tensors_for_testing():
-            with th.save_on_cpu(pin_memory=True, min_offload_bytes=0):
-                loss = model(x).pow(2).sum()
-            first = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
-            second = torch.autograd.grad(loss, list(model.parameters()))
+        with th.save_on_cpu(pin_memory=True, min_offload_bytes=0):
+            loss = model(x).pow(2).sum()
+        first = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+        second = torch.autograd.grad(loss, list(model.parameters()))
         assert_grads_equal(second, first)
         assert_grads_equal(first, mlp_grads(model, x))
 
-    def test_grad_that_stops_early_drops_its_prefetches(self) -> None:
+    def test_grad_that_stops_early_drops_its_prefetches(self, sim: SimulatedEngine) -> None:
         """autograd.grad w.r.t. a middle tensor: prefetched leftovers die with the graph task."""
         x = torch.randn(4, 4, requires_grad=True)
 
@@ -617,15 +651,15 @@ class TestSaveOnCpu:
 
         mid, out = f()
         expected = torch.autograd.grad(out.sum(), mid)
-        with _offload_cpu_tensors_for_testing() as sim:
-            with th.save_on_cpu(pin_memory=True, min_offload_bytes=0, prefetch=3):
-                mid, out = f()
-            got = torch.autograd.grad(out.sum(), mid)
-            fetched = set(copies(sim, "to_device"))
-            handed = set(copies(sim, "hand_over"))
+        with th.save_on_cpu(pin_memory=True, min_offload_bytes=0, prefetch=3):
+            mid, out = f()
+        got = torch.autograd.grad(out.sum(), mid)
+        fetched = set(copies(sim, "to_device"))
+        handed = set(copies(sim, "hand_over"))
         assert fetched - handed == {0}
         assert_grads_equal(got, expected)
 
+    @pytest.mark.usefixtures("sim")
     def test_backward_that_raises_leaves_no_state(self) -> None:
         """A backward that raises part-way drops the prefetch state (checked by the fixture)."""
 
@@ -639,63 +673,63 @@ class TestSaveOnCpu:
                 raise ValueError("boom")
 
         x = torch.randn(4, 4, requires_grad=True)
-        with _offload_cpu_tensors_for_testing():
-            with th.save_on_cpu(pin_memory=True, min_offload_bytes=0):
-                out = Boom.apply(x.exp()).sin().tanh()
-            with pytest.raises(ValueError, match="boom"):
-                out.sum().backward()
+        with th.save_on_cpu(pin_memory=True, min_offload_bytes=0):
+            out = Boom.apply(x.exp()).sin().tanh()
+        with pytest.raises(ValueError, match="boom"):
+            out.sum().backward()
 
+    @pytest.mark.usefixtures("sim")
     def test_unpack_outside_backward(self) -> None:
         """grad_fn._saved_* reads work on offloaded tensors and leave no per-backward state."""
         x = torch.randn(4, requires_grad=True)
-        with _offload_cpu_tensors_for_testing():
-            with th.save_on_cpu(pin_memory=True, min_offload_bytes=0):
-                y = x.exp()
-            saved = y.grad_fn._saved_result  # type: ignore[union-attr]
-            assert torch.equal(saved, y)
-            assert saved.data_ptr() != y.data_ptr()
-            y.sum().backward()
+        with th.save_on_cpu(pin_memory=True, min_offload_bytes=0):
+            y = x.exp()
+        saved = y.grad_fn._saved_result  # type: ignore[union-attr]
+        assert torch.equal(saved, y)
+        assert saved.data_ptr() != y.data_ptr()
+        y.sum().backward()
         assert th.live_graph_tasks() == 0
 
     # --- side-stream rules, on the simulated device ----------------------------------------
 
+    @pytest.mark.usefixtures("sim")
     def test_write_while_copy_in_flight_raises(self) -> None:
         """An in-place write before the copy is fenced raises instead of using changed data."""
         x = torch.randn(4, 4, requires_grad=True)
-        with _offload_cpu_tensors_for_testing():
-            with th.save_on_cpu(pin_memory=True, min_offload_bytes=0, max_in_flight=4):
-                h = x.exp()
-                loss = (h * 2).sum() + h.sin().sum()
-                with torch.no_grad():
-                    h.add_(100)  # the simulated copy has not run yet: it would read this
-            with pytest.raises(th.SavedTensorModifiedError, match="still copying this tensor"):
-                loss.backward()
+        with th.save_on_cpu(pin_memory=True, min_offload_bytes=0, max_in_flight=4):
+            h = x.exp()
+            loss = (h * 2).sum() + h.sin().sum()
+            with torch.no_grad():
+                h.add_(100)  # the simulated copy has not run yet: it would read this
+        with pytest.raises(th.SavedTensorModifiedError, match="still copying this tensor"):
+            loss.backward()
 
+    @pytest.mark.usefixtures("sim")
     def test_unguarded_fence_would_give_a_wrong_gradient(
         self, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """The simulation is faithful: without the version check the late copy reads the write."""
-        fence = _offload._Offloaded.fence
+        fence = Offloaded.fence
 
-        def fence_without_check(record: _offload._Offloaded) -> None:
+        def fence_without_check(record: Offloaded) -> None:
             fence(record)
             record.raced = None
 
-        monkeypatch.setattr(_offload._Offloaded, "fence", fence_without_check)
+        monkeypatch.setattr(Offloaded, "fence", fence_without_check)
         x = torch.randn(4, 4, requires_grad=True)
-        with _offload_cpu_tensors_for_testing():
-            with th.save_on_cpu(pin_memory=True, min_offload_bytes=0, max_in_flight=4):
-                h = x.exp()
-                loss = h.sin().sum()
-                with torch.no_grad():
-                    h.add_(100)
-            (grad,) = torch.autograd.grad(loss, x)
+        with th.save_on_cpu(pin_memory=True, min_offload_bytes=0, max_in_flight=4):
+            h = x.exp()
+            loss = h.sin().sum()
+            with torch.no_grad():
+                h.add_(100)
+        (grad,) = torch.autograd.grad(loss, x)
         e = x.detach().exp()
         right = e.cos() * e
         wrong = (e + 100).cos() * (e + 100)  # both exp's and sin's saved value read the write
         torch.testing.assert_close(grad, wrong)
         assert not torch.allclose(grad, right)
 
+    @pytest.mark.usefixtures("sim")
     def test_write_after_fence_uses_save_time_value(self) -> None:
         """With max_in_flight=0 every copy is ordered before the next op: writes are fine."""
         x = torch.randn(4, 4, requires_grad=True)
@@ -709,10 +743,10 @@ class TestSaveOnCpu:
             return torch.autograd.grad(loss, x)
 
         expected = f(clone_hooks())
-        with _offload_cpu_tensors_for_testing():
-            got = f(th.save_on_cpu(pin_memory=True, min_offload_bytes=0, max_in_flight=0))
+        got = f(th.save_on_cpu(pin_memory=True, min_offload_bytes=0, max_in_flight=0))
         assert_grads_equal(got, expected)
 
+    @pytest.mark.usefixtures("sim")
     def test_write_after_exit_uses_save_time_value(self) -> None:
         """Leaving the context fences every copy: later writes do not reach the saved value."""
         x = torch.randn(4, 4, requires_grad=True)
@@ -722,19 +756,22 @@ class TestSaveOnCpu:
         with torch.no_grad():
             h.add_(100)
         expected = torch.autograd.grad(loss, x)
-        with _offload_cpu_tensors_for_testing():
-            with th.save_on_cpu(pin_memory=True, min_offload_bytes=0, max_in_flight=8):
-                h = x.exp()
-                loss = h.sin().sum()
-            with torch.no_grad():
-                h.add_(100)
-            assert_grads_equal(torch.autograd.grad(loss, x), expected)
+        with th.save_on_cpu(pin_memory=True, min_offload_bytes=0, max_in_flight=8):
+            h = x.exp()
+            loss = h.sin().sum()
+        with torch.no_grad():
+            h.add_(100)
+        assert_grads_equal(torch.autograd.grad(loss, x), expected)
 
+    @pytest.mark.usefixtures("sim")
     def test_mutation_tolerant_guard_fences_at_once(self) -> None:
         """Under a guard that lets saved tensors change, a write right after the save is fine."""
 
         class Cloning:
             """Clones at save what pack returned as-is (a stand-in for a mutation guard)."""
+
+            lets_saved_tensors_change = True
+            version_check_may_be_inlined = False
 
             def wrap(self, pack: Any, unpack: Any) -> tuple[Any, Any]:
                 def guarded_pack(t: torch.Tensor) -> object:
@@ -754,24 +791,53 @@ class TestSaveOnCpu:
             return torch.autograd.grad(loss, x)
 
         expected = f(clone_hooks())
-        with _offload_cpu_tensors_for_testing(), use_save_guard(Cloning()):
-            got = f(th.save_on_cpu(pin_memory=True, min_offload_bytes=0, max_in_flight=8))
+        hooks = th.save_on_cpu(pin_memory=True, min_offload_bytes=0, max_in_flight=8)
+        with use_save_guard(Cloning()):
+            got = f(hooks)
         assert_grads_equal(got, expected)
+        assert hooks.max_in_flight == 8  # the entry derived its window; the options are intact
 
-    def test_sources_are_held_until_fenced_and_released_after(self) -> None:
+    @pytest.mark.parametrize("source", ["released", "held"])
+    @pytest.mark.usefixtures("sim")
+    def test_fence_that_does_not_wait_is_caught(
+        self, monkeypatch: pytest.MonkeyPatch, source: str
+    ) -> None:
+        """The simulation is faithful: a fence that orders nothing fails, or a write leaks in."""
+        held: list[torch.Tensor | None] = []
+
+        def fence_without_wait(record: Offloaded) -> None:
+            if source == "held":
+                held.append(record.source)  # keeps the device memory, as a real fence does
+            record.source = record.stream = record.issuer = None
+
+        monkeypatch.setattr(Offloaded, "fence", fence_without_wait)
+        x = torch.randn(4, 4, requires_grad=True)
+        with th.save_on_cpu(pin_memory=True, min_offload_bytes=0, max_in_flight=0):
+            h = x.exp()
+            loss = h.sin().sum()
+        with torch.no_grad():
+            h.add_(100)  # after the context: correct fences order this after the copy
+        if source == "released":
+            with pytest.raises(AssertionError, match="released before the copy ran"):
+                torch.autograd.grad(loss, x)
+            return
+        (grad,) = torch.autograd.grad(loss, x)
+        e = x.detach().exp()
+        torch.testing.assert_close(grad, (e + 100).cos() * (e + 100))
+
+    def test_sources_are_held_until_fenced_and_released_after(self, sim: SimulatedEngine) -> None:
         """At most max_in_flight sources are held in forward; none after the context exits."""
         x = torch.randn(4, 4, requires_grad=True)
-        with _offload_cpu_tensors_for_testing() as sim:
-            with th.save_on_cpu(pin_memory=True, min_offload_bytes=0, max_in_flight=2):
-                h = x
-                for _ in range(6):
-                    h = h.sin()  # saves its input
-                    assert sim.live_sources() <= 2
-            assert sim.live_sources() == 0
-            waits = [i for i, (op, _) in enumerate(sim.log) if op == "wait"]
-            sends = [i for i, (op, _) in enumerate(sim.log) if op == "to_host"]
-            assert len(waits) == len(sends) == 6
-            h.sum().backward()  # the simulation raises if a source died before its copy ran
+        with th.save_on_cpu(pin_memory=True, min_offload_bytes=0, max_in_flight=2):
+            h = x
+            for _ in range(6):
+                h = h.sin()  # saves its input
+                assert sim.live_sources() <= 2
+        assert sim.live_sources() == 0
+        waits = [i for i, (op, _) in enumerate(sim.log) if op == "wait"]
+        sends = [i for i, (op, _) in enumerate(sim.log) if op == "to_host"]
+        assert len(waits) == len(sends) == 6
+        h.sum().backward()  # the simulation raises if a source died before its copy ran
 
     def test_context_exit_fences_when_body_raises(self) -> None:
         """Copies are fenced (sources released) even when the body raises."""
@@ -783,25 +849,24 @@ class TestSaveOnCpu:
                 kept.append(x.exp().sin())
                 raise KeyError("body")
 
-        with _offload_cpu_tensors_for_testing() as sim:
+        with simulated_device() as sim:
             with pytest.raises(KeyError):
                 body()
             assert sim.sources
             assert sim.live_sources() == 0
 
     @pytest.mark.parametrize("prefetch", [0, 1, 2, 4])
-    def test_prefetch_order(self, prefetch: int) -> None:
+    def test_prefetch_order(self, sim: SimulatedEngine, prefetch: int) -> None:
         """Backward fetches the next `prefetch` saved tensors ahead, in reverse save order."""
         x = torch.randn(4, 4, requires_grad=True)
-        with _offload_cpu_tensors_for_testing() as sim:
-            with th.save_on_cpu(pin_memory=True, min_offload_bytes=0, prefetch=prefetch):
-                h = x
-                for _ in range(8):
-                    h = h.sin()
-            sim.log.clear()
-            h.sum().backward()
-            fetches = copies(sim, "to_device")
-            handed = copies(sim, "hand_over")
+        with th.save_on_cpu(pin_memory=True, min_offload_bytes=0, prefetch=prefetch):
+            h = x
+            for _ in range(8):
+                h = h.sin()
+        sim.log.clear()
+        h.sum().backward()
+        fetches = copies(sim, "to_device")
+        handed = copies(sim, "hand_over")
         assert fetches == list(range(7, -1, -1))
         assert handed == list(range(7, -1, -1))
         log = sim.log
@@ -817,20 +882,19 @@ class TestSaveOnCpu:
             }
             assert len(in_flight) <= prefetch + 1
 
-    def test_prefetch_crosses_per_layer_contexts(self) -> None:
+    def test_prefetch_crosses_per_layer_contexts(self, sim: SimulatedEngine) -> None:
         """With one context per layer, the previous layer's tensors are prefetched."""
         x = torch.randn(4, 4, requires_grad=True)
-        with _offload_cpu_tensors_for_testing() as sim:
-            h = x
-            for _ in range(4):
-                with th.save_on_cpu(pin_memory=True, min_offload_bytes=0, prefetch=1):
-                    h = h.sin()
-            sim.log.clear()
-            h.sum().backward()
+        h = x
+        for _ in range(4):
+            with th.save_on_cpu(pin_memory=True, min_offload_bytes=0, prefetch=1):
+                h = h.sin()
+        sim.log.clear()
+        h.sum().backward()
         for seq in range(3):
             assert sim.log.index(("to_device", seq)) < sim.log.index(("hand_over", seq + 1))
 
-    def test_prefetch_stays_within_one_forward(self) -> None:
+    def test_prefetch_stays_within_one_forward(self, sim: SimulatedEngine) -> None:
         """Two forwards, then their backwards: each backward fetches only its own tensors once."""
         w = torch.nn.Parameter(torch.randn(8, 8))
         expected = []
@@ -840,56 +904,54 @@ class TestSaveOnCpu:
             for _ in range(3):
                 h = (h @ w).tanh()
             expected.append(torch.autograd.grad(h.sum(), w)[0])
-        with _offload_cpu_tensors_for_testing() as sim:
-            losses = []
-            for seed in range(2):  # gradient accumulation: the micro-batch forwards come first
-                torch.manual_seed(seed)
-                with th.save_on_cpu(pin_memory=True, min_offload_bytes=0, prefetch=2):
-                    h = torch.randn(4, 8)
-                    for _ in range(3):
-                        h = (h @ w).tanh()
-                    losses.append(h.sum())
-            assert copies(sim) == list(range(8))  # per micro-batch: h, then three tanh outputs
-            sim.log.clear()
-            grads = [torch.autograd.grad(losses[1], w)[0]]
-            assert copies(sim, "to_device") == [7, 6, 5, 4]
-            grads.insert(0, torch.autograd.grad(losses[0], w)[0])
-            assert copies(sim, "to_device") == [7, 6, 5, 4, 3, 2, 1, 0]
+        losses = []
+        for seed in range(2):  # gradient accumulation: the micro-batch forwards come first
+            torch.manual_seed(seed)
+            with th.save_on_cpu(pin_memory=True, min_offload_bytes=0, prefetch=2):
+                h = torch.randn(4, 8)
+                for _ in range(3):
+                    h = (h @ w).tanh()
+                losses.append(h.sum())
+        assert copies(sim) == list(range(8))  # per micro-batch: h, then three tanh outputs
+        sim.log.clear()
+        grads = [torch.autograd.grad(losses[1], w)[0]]
+        assert copies(sim, "to_device") == [7, 6, 5, 4]
+        grads.insert(0, torch.autograd.grad(losses[0], w)[0])
+        assert copies(sim, "to_device") == [7, 6, 5, 4, 3, 2, 1, 0]
         for got, want in zip(grads, expected, strict=True):
             torch.testing.assert_close(got, want)
 
-    def test_pinned_buffers_are_reused_across_steps(self) -> None:
+    def test_pinned_buffers_are_reused_across_steps(self, sim: SimulatedEngine) -> None:
         """The second step allocates no host buffers; all are back in the pool after backward."""
         model = mlp()
         x = torch.randn(3, 8)
-        with _offload_cpu_tensors_for_testing() as sim:
-            hooks = th.save_on_cpu(pin_memory=True, min_offload_bytes=0)
+        hooks = th.save_on_cpu(pin_memory=True, min_offload_bytes=0)
+        mlp_grads(model, x, hooks)
+        after_first = th.save_on_cpu.stats("cpu")
+        for _ in range(3):
             mlp_grads(model, x, hooks)
-            after_first = sim.pool.stats()
-            for _ in range(3):
-                mlp_grads(model, x, hooks)
-            after_more = sim.pool.stats()
-        assert after_first["allocations"] > 0
-        assert after_more["allocations"] == after_first["allocations"]
-        assert after_more["in_use"] == 0
-        assert after_more["free_bytes"] == after_more["peak"]
+        after_more = th.save_on_cpu.stats("cpu")
+        assert after_first.host_allocations > 0
+        assert after_more.host_allocations == after_first.host_allocations
+        assert after_more.host_bytes_in_use == 0
+        assert after_more.host_bytes_free == after_more.host_bytes_peak
 
-    def test_copied_bytes_are_counted(self) -> None:
+    def test_copied_bytes_are_counted(self, sim: SimulatedEngine) -> None:
         """Each offloaded tensor moves its bytes once each way in a plain backward."""
         x = torch.randn(4, 4, requires_grad=True)
-        with _offload_cpu_tensors_for_testing() as sim:
-            with th.save_on_cpu(pin_memory=True, min_offload_bytes=0):
-                y = x.exp().sin()
-            y.sum().backward()
+        with th.save_on_cpu(pin_memory=True, min_offload_bytes=0):
+            y = x.exp().sin()
+        y.sum().backward()
+        stats = th.save_on_cpu.stats("cpu")
         # exp saves its result and sin saves its input, the same tensor: one copy.
-        assert sim.bytes_to_host == 64
-        assert sim.bytes_to_device == 64
+        assert stats.bytes_to_host == 64
+        assert stats.bytes_to_device == 64
 
     @given(depth=st.integers(0, 3), in_flight=st.integers(0, 3))
     def test_store_is_empty_after_backward(self, depth: int, in_flight: int) -> None:
         """Any prefetch depth and copy window leaves the graph-task store empty after backward."""
         x = torch.randn(4, 4, requires_grad=True)
-        with _offload_cpu_tensors_for_testing():
+        with simulated_device():
             with th.save_on_cpu(
                 pin_memory=True, min_offload_bytes=0, prefetch=depth, max_in_flight=in_flight
             ):
@@ -902,14 +964,16 @@ class TestSaveOnCpu:
         x = torch.randn(4, 4, requires_grad=True, device="cpu")
         expected = torch.autograd.grad(x.exp().sin().sum(), x)
         for pin_memory in (False, True):
-            with _offload_cpu_tensors_for_testing() as sim, torch.device("meta"):
+            with simulated_device() as sim, torch.device("meta"):
                 with th.save_on_cpu(pin_memory=pin_memory, min_offload_bytes=0):
                     loss = x.exp().sin().sum()
                 assert_grads_equal(torch.autograd.grad(loss, x), expected)
-            assert all(b.device.type == "cpu" for b in sim.pool._free.get(64, []))
+            assert len(sim.host_buffers) == (1 if pin_memory else 0)
+            assert all(b.device.type == "cpu" for b in sim.host_buffers)
 
     # --- threads and nesting ---------------------------------------------------------------
 
+    @pytest.mark.usefixtures("sim")
     def test_one_instance_on_several_threads(self) -> None:
         """The same instance entered on four threads gives each its correct grads."""
         hooks = th.save_on_cpu(pin_memory=True, min_offload_bytes=0, max_in_flight=1)
@@ -926,32 +990,30 @@ class TestSaveOnCpu:
             except BaseException as error:  # reported by the main thread
                 errors.append(error)
 
-        with _offload_cpu_tensors_for_testing():
-            threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
         assert errors == []
         for i in range(4):
             assert_grads_equal(results[i], expected[i])
 
-    def test_nested_contexts(self) -> None:
+    def test_nested_contexts(self, sim: SimulatedEngine) -> None:
         """Nested entries (same instance or not) apply the innermost and unwind in order."""
         hooks = th.save_on_cpu(pin_memory=True, min_offload_bytes=0)
         x = torch.randn(4, requires_grad=True)
-        with _offload_cpu_tensors_for_testing() as sim:
+        with hooks:
+            a = x.exp()
             with hooks:
-                a = x.exp()
-                with hooks:
-                    b = a.sin()
-                    with th.save_on_cpu(min_offload_bytes=0):  # synchronous: no log entries
-                        c = b.tanh()
-                d = c.cos()
-            # a (saved by exp and sin); c is copied synchronously by the innermost context and
-            # that copy is reused by cos.
-            assert len(copies(sim)) == 1
-            (grad,) = torch.autograd.grad(d.sum(), x)
+                b = a.sin()
+                with th.save_on_cpu(min_offload_bytes=0):  # synchronous: no log entries
+                    c = b.tanh()
+            d = c.cos()
+        # a (saved by exp and sin); c is copied synchronously by the innermost context and
+        # that copy is reused by cos.
+        assert len(copies(sim)) == 1
+        (grad,) = torch.autograd.grad(d.sum(), x)
         (expected,) = torch.autograd.grad(x.exp().sin().tanh().cos().sum(), x)
         torch.testing.assert_close(grad, expected)
 
@@ -1001,31 +1063,91 @@ def f_with(context: AbstractContextManager[Any], f: Callable[[], torch.Tensor]) 
         return f()
 
 
+class TestStats:
+    """save_on_cpu.stats: what the side-stream path moved and the host memory it holds."""
+
+    def test_device_without_an_engine_has_zero_stats(self) -> None:
+        """The CPU has no side stream: every count is 0, in a frozen record."""
+        stats = th.save_on_cpu.stats("cpu")
+        assert stats == OffloadStats(0, 0, 0, 0, 0, 0)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            stats.bytes_to_host = 1  # type: ignore[misc]  # the point: it is read-only
+
+    def test_counts_follow_one_step(self, sim: SimulatedEngine) -> None:
+        """Bytes each way, host memory in use while the graph lives, and free after it dies."""
+        x = torch.randn(4, 4, requires_grad=True)
+        with th.save_on_cpu(pin_memory=True, min_offload_bytes=0):
+            y = x.exp().sin().tanh()  # saves exp's result (once, for exp and sin) and sin's
+        held = th.save_on_cpu.stats("cpu")
+        assert (held.bytes_to_host, held.host_bytes_in_use, held.bytes_to_device) == (128, 128, 0)
+        y.sum().backward()
+        del y
+        done = th.save_on_cpu.stats("cpu")
+        assert (done.bytes_to_device, done.host_bytes_in_use) == (128, 0)
+        assert done.host_bytes_free == done.host_bytes_peak == 128
+        assert done.host_allocations == len(sim.host_buffers) == 2
+
+
+class TestCopyEngineProvider:
+    """The provider save_on_cpu asks for copy engines."""
+
+    def test_provider_is_restored_after_an_error(self) -> None:
+        """use_copy_engine_provider puts the previous provider back, however it exits."""
+        before = copy_engine_provider()
+        inside: list[object] = []
+
+        def body() -> None:
+            with simulated_device():
+                inside.append(copy_engine_provider())
+                raise KeyError("body")
+
+        with pytest.raises(KeyError):
+            body()
+        assert inside
+        assert inside[0] is not before
+        assert copy_engine_provider() is before
+
+    def test_entries_keep_the_engine_they_got(self) -> None:
+        """A context entered under the simulation keeps its engine after the provider changes."""
+        x = torch.randn(4, requires_grad=True)
+        with simulated_device() as sim:
+            hooks = th.save_on_cpu(pin_memory=True, min_offload_bytes=0)
+            hooks.__enter__()
+        try:
+            y = x.exp()
+        finally:
+            hooks.__exit__(None, None, None)
+        assert copies(sim) == [0]
+        y.sum().backward()
+        assert x.grad is not None
+        torch.testing.assert_close(x.grad, x.detach().exp())
+
+
 class TestHostPool:
     """The pool of host buffers behind save_on_cpu(pin_memory=True)."""
 
     def test_reuses_buffers_of_the_same_size(self) -> None:
         """A released buffer is handed out again for the same size."""
-        pool = _HostPool(lambda n: torch.empty(n, dtype=torch.uint8))
+        pool = HostPool(lambda n: torch.empty(n, dtype=torch.uint8))
         first = pool.acquire(64)
         pool.release(first)
         assert pool.acquire(64) is first
-        assert pool.stats()["allocations"] == 1
+        assert pool.stats().host_allocations == 1
 
     def test_holds_no_more_than_the_peak(self) -> None:
         """Sizes that change every step do not pile up: held bytes stay at the peak in use."""
-        pool = _HostPool(lambda n: torch.empty(n, dtype=torch.uint8))
+        pool = HostPool(lambda n: torch.empty(n, dtype=torch.uint8))
         for step in range(20):
             buffers = [pool.acquire(100 + step), pool.acquire(200 + step)]
             for buffer in buffers:
                 pool.release(buffer)
             stats = pool.stats()
-            assert stats["in_use"] + stats["free_bytes"] <= stats["peak"]
-        assert pool.stats()["peak"] <= 2 * (200 + 19)
+            assert stats.host_bytes_in_use + stats.host_bytes_free <= stats.host_bytes_peak
+        assert pool.stats().host_bytes_peak <= 2 * (200 + 19)
 
     def test_release_from_another_thread(self) -> None:
         """Buffers released on another thread are filed by the next acquire."""
-        pool = _HostPool(lambda n: torch.empty(n, dtype=torch.uint8))
+        pool = HostPool(lambda n: torch.empty(n, dtype=torch.uint8))
         buffer = pool.acquire(32)
         thread = threading.Thread(target=pool.release, args=(buffer,))
         thread.start()
@@ -1051,7 +1173,7 @@ class TestCopyStrides:
     def test_dense_layouts_are_kept(self, make: Callable[[], torch.Tensor], dense: bool) -> None:
         """Dense layouts keep their strides; others become contiguous."""
         t = make()
-        strides = _copy_strides(t)
+        strides = copy_strides(t)
         if dense:
             assert strides == t.stride()
         else:
@@ -1146,16 +1268,14 @@ class TestSaveOnCpuCuda:
 
     def test_prefetch_overlaps_and_is_correct(self) -> None:
         """A deep chain with prefetch: correct grads, each tensor fetched once."""
-        engine = _offload._stream_engine(torch.device("cuda", torch.cuda.current_device()))
-        assert engine is not None
         x = torch.randn(2048, 2048, device="cuda", requires_grad=True)
         with th.save_on_cpu(pin_memory=True, prefetch=3):
             h = x
             for _ in range(16):
                 h = h.sin()
-        before = engine.bytes_to_device
+        before = th.save_on_cpu.stats(x.device).bytes_to_device
         h.sum().backward()
-        assert engine.bytes_to_device - before == 16 * x.nbytes
+        assert th.save_on_cpu.stats("cuda").bytes_to_device - before == 16 * x.nbytes
         with torch.no_grad():
             expected = torch.ones_like(x)
             values = [x.detach()]
@@ -1172,12 +1292,11 @@ class TestSaveOnCpuCuda:
         x = torch.randn(64, 512, device="cuda")
         hooks = th.save_on_cpu(pin_memory=True, min_offload_bytes=0)
         mlp_grads(model, x, hooks)
-        engine = _offload._stream_engine(x.device)
-        assert engine is not None
-        allocations = engine.pool.stats()["allocations"]
+        allocations = th.save_on_cpu.stats(x.device).host_allocations
+        assert allocations > 0
         for _ in range(3):
             mlp_grads(model, x, hooks)
-        assert engine.pool.stats()["allocations"] == allocations
+        assert th.save_on_cpu.stats(x.device).host_allocations == allocations
 
     def test_forward_on_a_side_stream_of_its_own(self) -> None:
         """A forward pass run on a user stream is fenced on that stream."""

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,35 @@ UNPACKS: dict[str, Callable[[Any], torch.Tensor]] = {
     "tuple": lambda p: p[1],
     "clone": lambda p: p,
     "copy": lambda p: p,
+}
+
+
+class Holder:
+    """An object that keeps the saved tensor in an attribute."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class SlottedHolder:
+    """An object that keeps the saved tensor in a slot."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+# Packs that return the saved tensor (or a view of it) inside a container or an object.
+CONTAINER_PACKS: dict[str, tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]] = {
+    "dict": (lambda t: {"t": t}, lambda p: p["t"]),
+    "nested_tuple": (lambda t: ((t,),), lambda p: p[0][0]),
+    "nested_list": (lambda t: [[t]], lambda p: p[0][0]),
+    "tuple_of_dict": (lambda t: (t.device, {"data": t.detach()}), lambda p: p[1]["data"]),
+    "object": (Holder, lambda p: p.tensor),
+    "slots": (SlottedHolder, lambda p: p.tensor),
+    "view_in_dict": (lambda t: {"a": [t.view(-1)]}, lambda p: p["a"][0].view(p["a"][0].shape)),
+    "numpy": (lambda t: t.detach().numpy(), torch.from_numpy),
 }
 
 
@@ -138,13 +168,18 @@ class TestSavedTensorsHooks:
         recorder = Recorder()
         hooks = tensorhooks.saved_tensors_hooks(recorder.pack, recorder.unpack)
         x = torch.ones(3, requires_grad=True)
-        with hooks, hooks:
-            y = x * x
         with hooks:
-            z = y.sin()
-        (z.sum()).backward()
+            with hooks:
+                y = x * x
+            w = y.cos()  # the inner exit left the outer entry in force
         assert len(recorder.packed) == 3
-        assert torch_graph.saved_tensors_hooks is not tensorhooks.saved_tensors_hooks
+        with hooks:
+            z = w.sin()
+        assert len(recorder.packed) == 4
+        (z.sum()).backward()
+        assert recorder.unpacked == 4
+        expected = -torch.sin(torch.ones(3)) * torch.cos(torch.cos(torch.ones(3))) * 2
+        torch.testing.assert_close(x.grad, expected)
         assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 
     def test_double_backward(self) -> None:
@@ -204,6 +239,57 @@ class TestSavedTensorsHooks:
             r"1; expected version 0 instead\. Hint: the pack hook returned a tensor that shares",
         ):
             z.sum().backward()
+
+    @pytest.mark.parametrize("pack", sorted(CONTAINER_PACKS))
+    def test_inplace_change_of_tensor_packed_inside_a_container_raises(self, pack: str) -> None:
+        """The saved tensor anywhere inside what pack returned is caught, like a flat tuple."""
+        if pack == "numpy":
+            pytest.importorskip("numpy")
+        x = torch.linspace(0.5, 2, 4, requires_grad=True)
+        pack_hook, unpack_hook = CONTAINER_PACKS[pack]
+        with tensorhooks.saved_tensors_hooks(pack_hook, unpack_hook):
+            y = x * 2
+            z = y * y
+        with torch.no_grad():
+            y.mul_(2)
+        with pytest.raises(tensorhooks.SavedTensorModifiedError, match="is at version 1"):
+            z.sum().backward()
+
+    @pytest.mark.parametrize("pack", sorted(CONTAINER_PACKS))
+    def test_container_packs_unchanged_give_plain_gradients(self, pack: str) -> None:
+        """With no in-place change, container packs give plain autograd's gradient."""
+        if pack == "numpy":
+            pytest.importorskip("numpy")
+        x = torch.linspace(0.5, 2, 4, requires_grad=True)
+        pack_hook, unpack_hook = CONTAINER_PACKS[pack]
+        with tensorhooks.saved_tensors_hooks(pack_hook, unpack_hook):
+            z = (x * 2).sin()
+        z.sum().backward()
+        assert torch.equal(x.grad, 2 * (x.detach() * 2).cos())  # type: ignore[arg-type]
+
+    @pytest.mark.parametrize("moved", ["key", "nested_copy"])
+    def test_a_pack_that_drops_the_tensor_keeps_nothing_alive(self, moved: str) -> None:
+        """A pack that moves the data out (a key, copies in containers) frees the saved tensor."""
+        shelf: dict[str, torch.Tensor] = {}
+
+        def pack(t: torch.Tensor) -> object:
+            if moved == "key":
+                shelf[str(len(shelf))] = t.detach().clone()
+                return str(len(shelf) - 1)
+            return {"copies": [(t.detach().clone(),)], "device": t.device}
+
+        def unpack(packed: Any) -> torch.Tensor:
+            return shelf[packed] if moved == "key" else packed["copies"][0][0]
+
+        x = torch.linspace(0.5, 2, 4, requires_grad=True)
+        with tensorhooks.saved_tensors_hooks(pack, unpack):
+            y = x * 2
+            z = y.sin()
+        alive = weakref.ref(y)
+        del y
+        assert alive() is None
+        z.sum().backward()
+        assert torch.equal(x.grad, 2 * (x.detach() * 2).cos())  # type: ignore[arg-type]
 
     def test_inplace_error_matches_plain_autograd_and_torch_hooks_are_silently_wrong(
         self,

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -54,6 +56,29 @@ class TestGraphTaskStore:
         assert tensorhooks.live_graph_tasks() == 0
         assert ended == []
 
+    def test_state_released_while_an_end_callback_error_is_referenced(self) -> None:
+        """An end callback's exception, kept referenced, keeps neither the task nor its state."""
+        payloads: list[weakref.ref[torch.Tensor]] = []
+        later: list[int] = []
+
+        def fail() -> None:
+            raise BackwardFailedError("end callback failed on purpose")
+
+        def hook(grad: torch.Tensor) -> None:
+            state = graph_task_store.current()
+            payload = state.get("payload", lambda: torch.zeros(1000))
+            payloads.append(weakref.ref(payload))
+            state.on_end(fail)
+            state.on_end(lambda: later.append(1), order=1)
+
+        with pytest.raises(BackwardFailedError) as caught:
+            run_backward_with(hook)
+        gc.collect()
+        assert caught.value.__traceback__ is not None  # the exception and its frames live on
+        assert tensorhooks.live_graph_tasks() == 0
+        assert payloads[0]() is None
+        assert later == []
+
     def test_end_callbacks_run_in_order_then_registration_order(self) -> None:
         """End callbacks run after the graph task, sorted by order, stable within an order."""
         calls: list[str] = []
@@ -96,13 +121,13 @@ class TestGraphTaskStore:
     def test_one_engine_callback_per_task(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """However many hooks use the store, each graph task queues exactly one engine callback."""
         queued: list[int] = []
-        real = _store._queue_callback
+        real = _store.queue_callback
 
         def counting(callback: Callable[[], None]) -> None:
             queued.append(1)  # not the callback itself: holding it would keep the task alive
             real(callback)
 
-        monkeypatch.setattr(_store, "_queue_callback", counting)
+        monkeypatch.setattr(_store, "queue_callback", counting)
         x = torch.ones(3, requires_grad=True)
         ys = [x * i for i in range(10)]
 
@@ -140,7 +165,7 @@ class TestGraphTaskStore:
                 b.register_hook(inner_hook)
                 b.sum().backward()
             assert graph_task_store.current() is state
-            assert state.slots["who"] == "outer"
+            assert state.peek("who") == "outer"
 
         run_backward_with(outer_hook)
         assert len(outer_ids) == len(inner_ids) == 1
@@ -192,4 +217,4 @@ class TestGraphTaskStore:
         for thread in threads:
             thread.join()
         assert made == [1]
-        assert state.slots["key"] == 1
+        assert state.peek("key") == 1

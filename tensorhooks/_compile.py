@@ -1,0 +1,65 @@
+"""How tensorhooks' contexts meet ``torch.compile``.
+
+# NOTE [Contexts under torch.compile]
+#
+# A compiled model called inside any tensorhooks context works: Dynamo compiles the model, and
+# AOTAutograd saves its tensors through the hooks in force, as with torch's contexts. Entering a
+# context *inside* a compiled function cannot be traced (pushing saved-tensor hooks, thread-local
+# state and locks are not something Dynamo can put in a graph), and torch's own contexts are on
+# Dynamo's skip list for that reason. Ours are made to behave the same way: their entry points
+# are `torch.compiler.disable`d with a reason (`not_traced`), so Dynamo breaks the graph once
+# where the context is made, runs it eagerly, and under ``fullgraph=True`` raises an error that
+# names the context and says what to do, instead of tracing into the push and breaking the graph
+# at every step of it.
+#
+# allow_mutation_on_saved_tensors works through a TorchDispatchMode, and Dynamo skips every
+# frame while a non-infra dispatch mode is active (torch's context included): a compiled
+# function called inside the context runs eagerly. torch says nothing; we warn once per process
+# (`warn_compile_skipped`), from the mode's ``ignore_compile_internals``, which Dynamo asks only
+# when it is about to compile a frame (torch 2.9 and later; no warning before).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = ["not_traced", "warn_compile_skipped"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+_warned: set[str] = set()
+
+
+def not_traced(what: str) -> Callable[[_F], _F]:
+    """Make Dynamo run ``fn`` eagerly, with one graph break, and say why under fullgraph."""
+    reason = (
+        f"tensorhooks.{what} cannot be entered inside a torch.compile'd function; enter it "
+        "outside and call the compiled function (or model) inside it"
+    )
+
+    def mark(fn: _F) -> _F:
+        try:
+            disabled = torch.compiler.disable(fn, reason=reason)  # type: ignore[no-untyped-call]
+        except TypeError:  # torch < 2.7: no reason argument
+            disabled = torch.compiler.disable(fn)  # type: ignore[no-untyped-call]
+        return disabled  # type: ignore[no-any-return]
+
+    return mark
+
+
+def warn_compile_skipped(what: str) -> None:
+    """Warn, once per process, that torch.compile compiles nothing while ``what`` is active."""
+    if what in _warned:
+        return
+    _warned.add(what)
+    warnings.warn(
+        f"torch.compile compiles nothing inside tensorhooks.{what}: Dynamo skips every frame "
+        "while its dispatch mode is active, so compiled functions run eagerly there (torch's "
+        "context does the same, silently). Compile outside the context, or run without it.",
+        UserWarning,
+        stacklevel=3,
+    )

@@ -1,0 +1,295 @@
+"""Every private torch entry point tensorhooks uses, in one place.
+
+No other module of the package touches ``torch._C``, the autograd engine object or an underscore
+module of ``torch.utils``: they import from here. Each entry says the first torch release it is
+known on and what happens where it is missing (a fallback, or a clear error naming the release
+needed). "Known on" is the oldest release checked, not necessarily the first that has it. CI runs
+the suite on the ``torch`` floor of ``pyproject.toml`` (2.8), the pinned release of
+``constraints.txt`` and the newest release; every entry below exists on all three. See
+docs/torch-versions.md.
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+# An operator overload (its `_schema` and `_op` are read by allow_mutation_on_saved_tensors) and the
+# dispatch-mode base class: both known on torch 2.4.
+from torch._ops import OpOverload
+from torch.autograd.graph import Node
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+
+__all__ = [
+    "PYTHON_DISPATCH_KEY",
+    "TORCH_VERSION",
+    "CheckpointPolicy",
+    "OpOverload",
+    "TorchDispatchMode",
+    "current_autograd_node",
+    "current_dispatch_mode",
+    "current_graph_task_id",
+    "disable_saved_tensors_hooks_with",
+    "enable_saved_tensors_hooks",
+    "get_disabled_hooks_message",
+    "is_alias_of",
+    "is_captured_accumulator",
+    "is_dispatch_key_excluded",
+    "next_sequence_nr",
+    "pop_saved_tensors_hooks",
+    "push_saved_tensors_hooks",
+    "queue_callback",
+    "set_dispatch_key_excluded",
+    "skip_code_in_dynamo",
+    "top_saved_tensors_hooks",
+    "warn_once",
+    "will_engine_execute_node",
+    "will_engine_execute_nodes",
+]
+
+
+def _release(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
+
+
+TORCH_VERSION: tuple[int, int] = _release(torch.__version__)
+"""The installed torch's (major, minor) release."""
+
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """Warn with ``message`` the first time ``key`` is seen in this process (a degraded check)."""
+    if key in _warned:
+        return
+    _warned.add(key)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+# --- The autograd engine ----------------------------------------------------------------------
+
+# The id of the graph task (one backward()/autograd.grad() call) running on this thread, -1
+# outside backward. Known on torch 2.4.
+current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
+
+# Queue a callback to run at the successful end of the current graph task; the engine drops its
+# reference to it when the task dies either way (see NOTE [Releasing graph-task state] in
+# _store.py). Known on torch 2.4.
+queue_callback: Callable[[Callable[[], None]], None] = (
+    torch.autograd.Variable._execution_engine.queue_callback
+)
+
+# The node being executed on this thread during backward (None outside). Known on torch 2.4.
+current_autograd_node: Callable[[], Node | None] = torch._C._current_autograd_node
+
+_will_engine_execute_node: Callable[[Node], bool] = torch._C._will_engine_execute_node
+
+
+def will_engine_execute_node(node: Node) -> bool:
+    """Whether ``node`` runs in the current graph task. Known on torch 2.4.
+
+    One quirk is answered here for every caller: ``autograd.grad(..., inputs=leaf)`` makes the
+    engine raise for a captured leaf's gradient accumulator (pytorch issue 131753), whose tensor
+    hooks do fire; such a node counts as running.
+    """
+    try:
+        return _will_engine_execute_node(node)
+    except RuntimeError:
+        return True
+
+
+def is_captured_accumulator(node: Node) -> bool:
+    """Whether ``node`` is a leaf's accumulator whose gradient this ``autograd.grad`` captures.
+
+    The engine raises exactly there when asked whether the node runs (pytorch issue 131753).
+    """
+    try:
+        _will_engine_execute_node(node)
+    except RuntimeError:
+        return True
+    return False
+
+
+def will_engine_execute_nodes(nodes: list[Node]) -> int:
+    """How many of ``nodes`` run in the current graph task (one call on the common path)."""
+    try:
+        return sum(map(_will_engine_execute_node, nodes))
+    except RuntimeError:
+        return sum(map(will_engine_execute_node, nodes))
+
+
+# The sequence number the next autograd node created on this thread will get. Known on torch 2.4.
+next_sequence_nr: Callable[[], int] = torch._C._autograd._get_sequence_nr
+
+
+# --- Saved-tensor hooks -----------------------------------------------------------------------
+
+# The thread's default saved-tensor hook stack. Known on torch 2.4.
+push_saved_tensors_hooks: Callable[[Callable[..., Any], Callable[..., Any]], None] = (
+    torch._C._autograd._push_saved_tensors_default_hooks
+)
+pop_saved_tensors_hooks: Callable[[], None] = torch._C._autograd._pop_saved_tensors_default_hooks
+
+# The switch of disable_saved_tensors_hooks. Known on torch 2.4.
+get_disabled_hooks_message: Callable[[], str | None] = (
+    torch._C._autograd._saved_tensors_hooks_get_disabled_error_message
+)
+disable_saved_tensors_hooks_with: Callable[[str], None] = (
+    torch._C._autograd._saved_tensors_hooks_disable
+)
+enable_saved_tensors_hooks: Callable[[], None] = torch._C._autograd._saved_tensors_hooks_enable
+
+_HookPair = tuple[Callable[..., Any], Callable[..., Any]]
+
+
+def _find_top_hooks() -> Callable[[], _HookPair | None] | None:
+    top: Callable[..., _HookPair | None] | None = getattr(
+        torch._C._autograd, "_top_saved_tensors_default_hooks", None
+    )
+    if top is None:
+        return None
+    try:
+        top(False)
+    except TypeError:  # a reader without the argument (none known: 2.8 to 2.15 all take it)
+        return top
+    return lambda: top(False)
+
+
+# The innermost (pack, unpack) pair pushed on this thread, or None. Known on torch 2.8, whose
+# reader takes one argument (ignore the "is tracing" state), like every release up to 2.15 at
+# least. None before 2.8: allow_mutation_on_saved_tensors then warns once, on entry, that its
+# UnguardedHooksError check is off.
+top_saved_tensors_hooks: Callable[[], _HookPair | None] | None = _find_top_hooks()
+
+
+# --- Tensors ----------------------------------------------------------------------------------
+
+# Whether two tensors share a storage. Known on torch 2.4; not in torch's stubs.
+is_alias_of: Callable[[torch.Tensor, torch.Tensor], bool] = torch._C._is_alias_of  # type: ignore[attr-defined]
+
+
+# --- Dispatch ---------------------------------------------------------------------------------
+
+# The innermost TorchDispatchMode of this thread, or None. Known on torch 2.4.
+current_dispatch_mode: Callable[[], Any] = _get_current_dispatch_mode
+
+# Thread-local exclusion of a dispatch key. Known on torch 2.4.
+set_dispatch_key_excluded: Callable[[Any, bool], None] = (
+    torch._C._dispatch_tls_set_dispatch_key_excluded
+)
+is_dispatch_key_excluded: Callable[[Any], bool] = torch._C._dispatch_tls_is_dispatch_key_excluded
+PYTHON_DISPATCH_KEY: Any = torch._C.DispatchKey.Python
+
+
+def skip_code_in_dynamo(code: Any) -> bool:
+    """Make Dynamo skip ``code`` and everything it calls; False where this torch cannot.
+
+    ``set_code_exec_strategy`` is what ``torch._dynamo.disable(recursive=True)`` amounts to, at no
+    per-call cost. Known on torch 2.7 (not in 2.6); False before, and callers keep torch's own
+    ``torch._dynamo.disable`` wrapper then.
+    """
+    try:
+        from torch._C._dynamo import eval_frame  # noqa: PLC0415 (optional, private module)
+
+        strategy = eval_frame._FrameExecStrategy(
+            eval_frame._FrameAction.SKIP, eval_frame._FrameAction.SKIP
+        )
+        eval_frame.set_code_exec_strategy(code, strategy)
+    except (ImportError, AttributeError, TypeError, RuntimeError):
+        return False
+    return True
+
+
+# --- Activation checkpointing (tensorhooks.checkpoint) -----------------------------------------
+
+# Save a tensor the way a node saves one (through the default saved-tensor hooks, with autograd's
+# version check when none are in force) and get it back with ``.unpack()``. Known on torch 2.9;
+# None before, and `_checkpoint` saves region inputs with a no-op autograd Function instead.
+make_saved_tensor: Callable[..., Any] | None = getattr(
+    torch._C._autograd, "_make_saved_tensor", None
+)
+
+
+def include_inplace_or_view_key() -> Any:
+    """A context that re-includes ADInplaceOrView inside a dispatch handler. Known on torch 2.0.
+
+    A ``detach()`` made inside ``__torch_dispatch__`` needs it to share the version counter of
+    its source, which is what the cached outputs of selective checkpointing are checked by.
+    """
+    return torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False)
+
+
+def torch_selective_checkpoint_modes() -> tuple[Any, Any] | None:
+    """The two dispatch modes torch's ``create_selective_checkpoint_contexts`` returns.
+
+    Known on torch 2.4 (``_CachingTorchDispatchMode``, ``_CachedTorchDispatchMode``); None where
+    either is missing, and their contexts are then used as they are (offload not honoured).
+    """
+    import torch.utils.checkpoint as torch_checkpoint  # noqa: PLC0415 (imports the profiler)
+
+    caching = getattr(torch_checkpoint, "_CachingTorchDispatchMode", None)
+    cached = getattr(torch_checkpoint, "_CachedTorchDispatchMode", None)
+    if caching is None or cached is None:
+        return None
+    return caching, cached
+
+
+def torch_checkpoint_early_stop_override() -> bool | None:
+    """What ``torch.utils.checkpoint.set_checkpoint_early_stop`` set, or None. Known on 2.1."""
+    import torch.utils.checkpoint as torch_checkpoint  # noqa: PLC0415
+
+    value: bool | None = getattr(torch_checkpoint, "_enable_checkpoint_early_stop", None)
+    return value
+
+
+def torch_checkpoint_debug_override() -> bool | None:
+    """What ``torch.utils.checkpoint.set_checkpoint_debug_enabled`` set, or None. Known on 2.2."""
+    import torch.utils.checkpoint as torch_checkpoint  # noqa: PLC0415
+
+    value: bool | None = getattr(torch_checkpoint, "_checkpoint_debug_enabled", None)
+    return value
+
+
+def torch_checkpoint_debug_tools() -> tuple[Callable[[], Any], Callable[[Exception], Any]] | None:
+    """Return torch's ``(context_fn, unpack_error_cb)`` of ``checkpoint(debug=True)``. Known on 2.2.
+
+    None where it is missing: ``debug=True`` then only raises the plain error.
+    """
+    import torch.utils.checkpoint as torch_checkpoint  # noqa: PLC0415
+
+    tools = getattr(torch_checkpoint, "_get_debug_context_and_cb", None)
+    return None if tools is None else tools()
+
+
+def _checkpoint_policy() -> type[enum.Enum]:
+    """Torch's ``CheckpointPolicy`` where it has the ``*_CPU_OFFLOAD`` members, else one that does.
+
+    torch 2.8 has the four save / recompute members only; the offload ones come later. On such a
+    release tensorhooks' enum has the same six names (policies are compared by name, so a policy
+    function returning torch's members works with either).
+    """
+    from torch.utils.checkpoint import CheckpointPolicy as TorchPolicy  # noqa: PLC0415
+
+    if hasattr(TorchPolicy, "MUST_CPU_OFFLOAD"):
+        return TorchPolicy
+    return enum.Enum(  # type: ignore[return-value]
+        "CheckpointPolicy",
+        [
+            ("MUST_SAVE", 0),
+            ("PREFER_SAVE", 1),
+            ("MUST_RECOMPUTE", 2),
+            ("PREFER_RECOMPUTE", 3),
+            ("MUST_CPU_OFFLOAD", 4),
+            ("PREFER_CPU_OFFLOAD", 5),
+        ],
+        module="tensorhooks",
+    )
+
+
+# What `tensorhooks.CheckpointPolicy` is: torch's enum on releases with CPU offload members.
+CheckpointPolicy: Any = _checkpoint_policy()

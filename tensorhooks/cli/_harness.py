@@ -1,0 +1,209 @@
+"""The one timing harness of the demo, the bench and the scripts in ``benchmarks/``.
+
+# NOTE [How tensorhooks times things]
+#
+# Ratios, not absolute times: on a shared machine absolute times drift by tens of percent
+# between minutes, but variants timed in alternation drift together. Each round times every
+# variant once, in an order that rotates from round to round, with `torch.utils.benchmark.Timer`
+# (which warms the statement up, pins the number of intra-op threads, and synchronises CUDA).
+# A comparison is the per-round ratio of two variants, reported as its median with the lowest
+# and highest round beside it; a ratio whose range includes 1.00 is noise, never a win.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TextIO
+
+from torch.utils.benchmark import Timer
+
+__all__ = [
+    "Spread",
+    "Timings",
+    "check_target",
+    "interleaved",
+    "interleaved_medians",
+    "print_table",
+    "skip",
+    "verdict",
+]
+
+# Markers at the start of a line of a script's output, read by people and by tests.
+SKIPPED = "skipped:"
+TARGET_MET = "target met:"
+TARGET_MISSED = "TARGET MISSED:"
+
+
+@dataclass(frozen=True)
+class Spread:
+    """The lowest, median and highest of a set of rounds.
+
+    Example:
+        >>> Spread.of([1.0, 3.0, 2.0]).format()
+        '2.00x (1.00-3.00)'
+    """
+
+    low: float
+    median: float
+    high: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Spread:
+        """The spread of ``values`` (at least one)."""
+        return cls(min(values), statistics.median(values), max(values))
+
+    def format(self, unit: str = "x", scale: float = 1.0, digits: int = 2) -> str:
+        """``median (low-high)`` with ``unit`` after the median."""
+        low, median, high = (scale * value for value in (self.low, self.median, self.high))
+        return f"{median:.{digits}f}{unit} ({low:.{digits}f}-{high:.{digits}f})"
+
+
+NOISE_MARGIN = 0.05
+"""How far past 1.00 the whole range of a ratio must lie to read as faster or slower."""
+
+
+def verdict(ratio: Spread) -> str:
+    """How to read a ratio of step times (this over a reference): faster, slower, or noise.
+
+    Example:
+        >>> verdict(Spread(0.90, 0.96, 1.02))
+        'same (within noise)'
+        >>> verdict(Spread(0.93, 0.95, 0.97))
+        'same (within noise)'
+        >>> verdict(Spread(0.55, 0.60, 0.66))
+        'faster'
+    """
+    # A margin beyond the range: with a few rounds on a loaded machine, every round of a variant
+    # timed against itself can land on one side of 1.00 by chance.
+    if ratio.high < 1.0 - NOISE_MARGIN:
+        return "faster"
+    if ratio.low > 1.0 + NOISE_MARGIN:
+        return "slower"
+    return "same (within noise)"
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Seconds per call of each variant, one sample per round."""
+
+    samples: Mapping[str, Sequence[float]]
+
+    def spread(self, name: str) -> Spread:
+        """Seconds per call of ``name`` over the rounds."""
+        return Spread.of(self.samples[name])
+
+    def median(self, name: str) -> float:
+        """Median seconds per call of ``name``."""
+        return statistics.median(self.samples[name])
+
+    def ratio(self, name: str, reference: str) -> Spread:
+        """Per-round ratio of ``name``'s time over ``reference``'s."""
+        pairs = zip(self.samples[name], self.samples[reference], strict=True)
+        return Spread.of([mine / theirs for mine, theirs in pairs])
+
+
+def interleaved(
+    variants: Mapping[str, Callable[[], object]],
+    *,
+    rounds: int = 11,
+    inner: int = 10,
+    threads: int = 1,
+    progress: Callable[[int], None] | None = None,
+) -> Timings:
+    """Time every variant ``inner`` calls per round, interleaved over ``rounds`` rounds.
+
+    Args:
+        variants: the callables to time, by name.
+        rounds: rounds; each times every variant once, in an order rotating between rounds.
+        inner: calls per variant and round (``Timer`` adds its own warm-up calls before them).
+        threads: intra-op threads while timing (1: the project's CPU reference setting).
+        progress: called with the number of the round just finished.
+
+    Returns:
+        Seconds per call of each variant, one sample per round.
+    """
+    names = list(variants)
+    timers = {
+        name: Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
+        for name, fn in variants.items()
+    }
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for index in range(rounds):
+        shift = index % len(names)
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(timers[name].timeit(inner).mean)
+        if progress is not None:
+            progress(index + 1)
+    return Timings(samples)
+
+
+def interleaved_medians(
+    variants: Mapping[str, Callable[[], object]],
+    *,
+    rounds: int = 30,
+    inner: int = 10,
+    warmup: int = 3,
+) -> dict[str, float]:
+    """Median seconds per call of each variant, measured with `interleaved`.
+
+    ``warmup`` calls of every variant run first (``Timer`` warms up each round as well).
+    """
+    for _ in range(warmup):
+        for fn in variants.values():
+            fn()
+    timings = interleaved(variants, rounds=rounds, inner=inner)
+    return {name: timings.median(name) for name in variants}
+
+
+def print_table(
+    title: str, medians: Mapping[str, float] | Timings, baseline: str, *, file: TextIO | None = None
+) -> None:
+    """Print each variant's median step, its spread, and its ratio to ``baseline``.
+
+    Args:
+        title: a line printed above the table.
+        medians: `Timings` (spread and per-round ratios shown) or medians by name.
+        baseline: the variant the ratios are taken against.
+        file: where to print (standard output by default).
+    """
+    print(f"\n{title}", file=file)
+    if isinstance(medians, Timings):
+        print(
+            f"| variant | median step (ms, min-max) | ratio to {baseline} (min-max) |",
+            file=file,
+        )
+        print("|---|---:|---:|", file=file)
+        for name in medians.samples:
+            step = medians.spread(name).format(" ms", scale=1e3, digits=3)
+            ratio = medians.ratio(name, baseline).format(digits=3)
+            print(f"| {name} | {step} | {ratio} |", file=file)
+        return
+    print(f"| variant | median step (ms) | ratio to {baseline} |", file=file)
+    print("|---|---:|---:|", file=file)
+    for name, seconds in medians.items():
+        print(f"| {name} | {seconds * 1e3:.3f} | {seconds / medians[baseline]:.3f} |", file=file)
+
+
+def check_target(
+    label: str, value: float, *, at_most: float | None = None, at_least: float | None = None
+) -> bool:
+    """Print whether ``value`` meets its target, in words a reader and the bench both see.
+
+    Example:
+        >>> check_target("speedup over torch", 1.5, at_least=1.6)
+        TARGET MISSED: speedup over torch 1.50 (target >= 1.60)
+        False
+    """
+    bound = f"<= {at_most:.2f}" if at_most is not None else f">= {at_least:.2f}"
+    met = (at_most is None or value <= at_most) and (at_least is None or value >= at_least)
+    marker = TARGET_MET if met else TARGET_MISSED
+    print(f"{marker} {label} {value:.2f} (target {bound})")
+    return met
+
+
+def skip(reason: str) -> None:
+    """Say that a script measured nothing, and why; exit 0 (a skip is not a failure)."""
+    print(f"{SKIPPED} {reason}")
+    raise SystemExit(0)
