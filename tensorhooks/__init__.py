@@ -25,6 +25,7 @@ from ._errors import InvalidOffloadOptionError as InvalidOffloadOptionError
 from ._errors import InvalidSyncArgumentError as InvalidSyncArgumentError
 from ._errors import MutationContextExitedError as MutationContextExitedError
 from ._errors import OffloadArgumentValueError as OffloadArgumentValueError
+from ._errors import OffloadCaptureError as OffloadCaptureError
 from ._errors import ParameterOffloadDeviceError as ParameterOffloadDeviceError
 from ._errors import ParameterOffloadValueError as ParameterOffloadValueError
 from ._errors import SavedTensorModifiedError as SavedTensorModifiedError
@@ -79,6 +80,7 @@ __all__ = [
     "MutationContextExitedError",
     "Node",
     "OffloadArgumentValueError",
+    "OffloadCaptureError",
     "OffloadStats",
     "ParameterOffloadDeviceError",
     "ParameterOffloadHandle",

@@ -11,6 +11,8 @@ same situation, so code written against ``torch.autograd.graph`` (``except Runti
 * saved-tensor hooks, a saved tensor changed in place before backward:
   `SavedTensorModifiedError` (``RuntimeError``).
 * ``save_on_cpu``, an option value out of range: `OffloadArgumentValueError` (``ValueError``).
+* ``save_on_cpu``, an offload while a CUDA graph is being captured: `OffloadCaptureError`
+  (``RuntimeError``).
 * ``allow_mutation_on_saved_tensors``, backward after the context exited:
   `MutationContextExitedError` (``RuntimeError`` and ``AssertionError``); a write under torch's
   own hooks: `UnguardedHooksError` (``RuntimeError``).
@@ -39,6 +41,7 @@ __all__ = [
     "InvalidSyncArgumentError",
     "MutationContextExitedError",
     "OffloadArgumentValueError",
+    "OffloadCaptureError",
     "ParameterOffloadDeviceError",
     "ParameterOffloadValueError",
     "SavedTensorModifiedError",
@@ -87,6 +90,15 @@ class OffloadArgumentValueError(TensorHooksError, ValueError):
     """An offloading option with a value out of range, such as a negative byte threshold.
 
     Also importable as ``InvalidOffloadOptionError``, its earlier name.
+    """
+
+
+class OffloadCaptureError(TensorHooksError, RuntimeError):
+    """``save_on_cpu`` was asked to offload a tensor while its device's stream is being captured.
+
+    A CUDA graph replays the copies it captured into the same host buffers, which the pool hands
+    to later saves: offloading cannot be captured. Inherits `RuntimeError`, what torch raises for
+    work that is not permitted during capture.
     """
 
 

@@ -111,6 +111,9 @@ __all__ = ["MutationContext", "allow_mutation_on_saved_tensors"]
 _PLAIN_TENSOR_TYPES = frozenset(
     t for t in (torch.Tensor, torch.nn.Parameter, getattr(torch.nn, "Buffer", None)) if t
 )
+# Ops whose schema marks a write that changes no value: ``record_stream`` only tells the caching
+# allocator which stream uses the memory (save_on_cpu calls it on every tensor it copies back).
+_VALUE_PRESERVING_OPS = frozenset({"aten::record_stream"})
 # Ops that may resize the tensor they write (besides every ``out=`` argument).
 _RESIZING_OPS = frozenset(
     {"aten::resize_", "aten::resize_as_", "aten::resize_as_sparse_", "aten::set_"}
@@ -799,6 +802,8 @@ _SEEN_OPS: list[OpOverload] = []
 def _written_arguments(func: OpOverload) -> tuple[_WrittenArgument, ...]:
     """The arguments ``func`` writes, read once from its schema."""
     schema = func._schema
+    if schema.name in _VALUE_PRESERVING_OPS:
+        return ()
     resizing_op = schema.name in _RESIZING_OPS
     written = []
     for position, argument in enumerate(schema.arguments):

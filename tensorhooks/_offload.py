@@ -30,7 +30,7 @@ __all__ = ["OffloadStats", "save_on_cpu"]
 # torch's ``save_on_cpu`` copies every saved tensor to the host on the compute stream, once per
 # op that saves it (parameters included), and copies it back on the compute stream when an op's
 # backward unpacks it. Stream order makes that safe and slow. Here, with ``pin_memory=True`` on a
-# device with streams, copies run on one side stream per device and overlap with compute; four
+# device with streams, copies run on one side stream per device and overlap with compute; six
 # rules keep them correct:
 #
 # 1. Source before copy. The side stream waits for the compute stream before each device-to-host
@@ -59,6 +59,12 @@ __all__ = ["OffloadStats", "save_on_cpu"]
 #    per copy engine (one engine per device), keyed by byte size. A buffer returns to the pool
 #    when its record dies and is reused by the next device-to-host copy on the same side
 #    stream, which stream order puts after any copy still reading it.
+# 5. Nothing captured. Under CUDA graph capture a replay would rewrite pooled host buffers that
+#    later saves own: an offload while the current stream is capturing raises
+#    `OffloadCaptureError` (the engine's ``capturing()``).
+# 6. Prefetch is speculative. Running out of device memory while fetching a tensor ahead of use
+#    stops that round of prefetching; the tensor's own unpack fetches it when backward needs it
+#    (and raises there if memory is still short), so prefetch never fails a backward by itself.
 #
 # A tensor saved by several ops (``x`` feeding the q, k and v projections) is copied once: the
 # thread's timeline maps ``id(tensor)`` to the record, and an entry counts only while a weak

@@ -38,6 +38,10 @@ class CopyEngine(Protocol):
         """The stream the calling thread runs its ops on, for this engine's device."""
         ...
 
+    def capturing(self) -> bool:
+        """Whether the calling thread's stream is being captured into a graph (CUDA graphs)."""
+        ...
+
     def allocate_host(self, nbytes: int) -> torch.Tensor:
         """A new 1-D ``uint8`` host buffer of ``nbytes`` bytes that copies can use (pinned)."""
         ...
@@ -99,6 +103,11 @@ class StreamEngine:
     def current_stream(self) -> Any:
         """The stream the calling thread runs its ops on, for this device."""
         return self.module.current_stream(self.device)
+
+    def capturing(self) -> bool:
+        """Whether the current stream is being captured (False where the backend cannot)."""
+        is_capturing = getattr(self.module, "is_current_stream_capturing", None)
+        return is_capturing is not None and bool(is_capturing())
 
     def to_host(self, source: torch.Tensor, host: torch.Tensor, producer: Any) -> Any:
         """Copy ``source`` into ``host`` after ``producer``'s queued work; return the event."""

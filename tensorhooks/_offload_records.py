@@ -16,7 +16,7 @@ from ._guards import SavedCopy, modified_message
 from ._offload_engines import CopyEngine
 from ._offload_pool import HostPool
 from ._store import graph_task_store
-from ._torch_compat import current_graph_task_id, next_sequence_nr
+from ._torch_compat import current_graph_task_id, neg_view, next_sequence_nr
 
 __all__ = ["HostCopy", "Issuer", "Offloaded", "Prefetch", "Timeline", "copy_strides"]
 
@@ -145,6 +145,35 @@ def _computed_from(grad_fn: Any, node: int) -> bool:
     return False
 
 
+# NOTE [Conjugate and negative bits of offloaded tensors]
+# A saved tensor may be a lazy view with the conjugate or negative bit set (``a @ b.mH`` saves a
+# conjugate view, ``z.conj().imag`` a negative one). Copying such a view into a host buffer with
+# ``copy_(non_blocking=True)`` queues the DMA of the raw bytes and then resolves the bit on the host
+# buffer right away, before the DMA has landed: the buffer ends up with the raw values. So the copy
+# moves the raw data (the view with its bits cleared), and the record carries the bits, which the
+# copy brought back to the device gets again: the same lazy view backward saw saved.
+
+
+def strip_view_bits(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[bool, bool]]:
+    """``tensor`` with its conjugate and negative bits cleared (a view), and the bits."""
+    conj, neg = tensor.is_conj(), tensor.is_neg()
+    if conj:
+        tensor = tensor.conj()  # of a conjugate view: the raw data, a view without the bit
+    if neg:
+        tensor = neg_view(tensor)
+    return tensor, (conj, neg)
+
+
+def apply_view_bits(tensor: torch.Tensor, bits: tuple[bool, bool]) -> torch.Tensor:
+    """``tensor`` viewed with the conjugate and negative bits ``strip_view_bits`` returned."""
+    conj, neg = bits
+    if neg:
+        tensor = neg_view(tensor)
+    if conj:
+        tensor = tensor.conj()
+    return tensor
+
+
 class HostCopy(SavedCopy):
     """A saved tensor copied to host memory on the current stream, the way torch does it."""
 
@@ -198,6 +227,7 @@ class Offloaded(SavedCopy):
 
     __slots__ = (
         "__weakref__",
+        "bits",
         "buffer",
         "device",
         "dtype",
@@ -248,7 +278,9 @@ class Offloaded(SavedCopy):
         self.raced: tuple[str, list[int], int] | None = None
         self.version = tensor._version
         # Detached: the alias shares storage and version counter without holding the graph.
-        self.source: torch.Tensor | None = tensor.detach()
+        # See NOTE [Conjugate and negative bits of offloaded tensors] for the bits.
+        source, self.bits = strip_view_bits(tensor.detach())
+        self.source: torch.Tensor | None = source
         self.stream = engine.current_stream()
         self.event = engine.to_host(self.source, self.host, self.stream)
 
@@ -299,7 +331,7 @@ class Offloaded(SavedCopy):
                     state.done.add(self.seq)
                 self._fetch_ahead(state)
         engine.hand_over(tensor, consumer, event)
-        return tensor
+        return apply_view_bits(tensor, self.bits)
 
     def _fetch_ahead(self, state: Prefetch) -> None:
         records = self.timeline.records
@@ -314,8 +346,14 @@ class Offloaded(SavedCopy):
             issuer = record.issuer
             if issuer is not None:
                 issuer.fence_through(record)
-            if record.raced is None:
+            if record.raced is not None:
+                continue
+            try:
                 state.ready[seq] = [*record._fetch(), record.uses]
+            except torch.OutOfMemoryError:
+                # Speculative: the tensor is not needed yet, and its own unpack fetches it (or
+                # raises) later. See NOTE [Offloading saved tensors without races], rule 6.
+                return
 
 
 def _raced_error(

@@ -9,7 +9,7 @@ import threading
 
 import torch
 
-from ._errors import HookArgumentTypeError, OffloadArgumentValueError
+from ._errors import HookArgumentTypeError, OffloadArgumentValueError, OffloadCaptureError
 from ._guards import SaveGuard, is_output_of_saving_node
 from ._offload_engines import CopyEngine, CopyEngineProvider
 from ._offload_pool import pool_of
@@ -113,6 +113,15 @@ def _check_pin_memory_and_device_type(pin_memory: object, device_type: str) -> N
         )
 
 
+def _capture_error(tensor: torch.Tensor) -> OffloadCaptureError:
+    return OffloadCaptureError(
+        f"save_on_cpu cannot offload a {tensor.type()} of shape {list(tensor.shape)} while the "
+        f"stream of {tensor.device} is being captured into a graph: replays would rewrite host "
+        "buffers that later saves reuse. Run the captured region outside save_on_cpu (its saved "
+        "tensors then stay on the device)."
+    )
+
+
 def kept(tensor: torch.Tensor) -> torch.Tensor:
     """What pack returns for a tensor it does not copy: the tensor, or a detached alias of it.
 
@@ -190,6 +199,8 @@ class Session:
         if engine is None:
             record = self._copy(tensor, device, dense)
         else:
+            if engine.capturing():
+                raise _capture_error(tensor)
             record = Offloaded(tensor, engine, pool_of(engine), timeline, self)
             timeline.records[record.seq] = record
             with self.lock:

@@ -4,7 +4,7 @@ No other module of the package touches ``torch._C``, the autograd engine object 
 module of ``torch.utils``: they import from here. Each entry says the first torch release it is
 known on and what happens where it is missing (a fallback, or a clear error naming the release
 needed). "Known on" is the oldest release checked, not necessarily the first that has it. CI runs
-the suite on the ``torch`` floor of ``pyproject.toml`` (2.8), the pinned release of
+the suite on the ``torch`` floor of ``pyproject.toml`` (2.11), the pinned release of
 ``constraints.txt`` and the newest release; every entry below exists on all three. See
 docs/torch-versions.md.
 """
@@ -39,6 +39,7 @@ __all__ = [
     "is_alias_of",
     "is_captured_accumulator",
     "is_dispatch_key_excluded",
+    "neg_view",
     "next_sequence_nr",
     "pop_saved_tensors_hooks",
     "push_saved_tensors_hooks",
@@ -293,3 +294,11 @@ def _checkpoint_policy() -> type[enum.Enum]:
 
 # What `tensorhooks.CheckpointPolicy` is: torch's enum on releases with CPU offload members.
 CheckpointPolicy: Any = _checkpoint_policy()
+
+
+def neg_view(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a view with its negative bit flipped (``torch._neg_view``). Known on 1.10.
+
+    No fallback is needed: every supported release has it.
+    """
+    return torch._neg_view(tensor)

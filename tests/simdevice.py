@@ -51,6 +51,11 @@ class SimulatedEngine:
     waits on a copy) and ``hand_over`` (a consumer receives a copied-back tensor). Tags number
     the device-to-host copies in issue order from 0; a copy back from a host buffer carries the
     tag of the copy that filled it. ``host_buffers`` lists the buffers `allocate_host` made.
+
+    Copies move bytes as a DMA does: a source with the conjugate or negative bit set lands as
+    its raw data, bits ignored. ``capture`` plays a stream being captured into a graph;
+    ``out_of_memory_after = n`` lets ``n`` more copies back to the device through, then makes
+    the next one raise ``torch.OutOfMemoryError`` (once), as an allocation on a full device does.
     """
 
     def __init__(self) -> None:
@@ -63,6 +68,12 @@ class SimulatedEngine:
         self._host_tags: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._queue: collections.deque[tuple[SimEvent, Callable[[], None]]] = collections.deque()
         self._lock = threading.RLock()
+        self.capture = False
+        self.out_of_memory_after: int | None = None
+
+    def capturing(self) -> bool:
+        """Whether the compute stream plays one being captured (``capture``)."""
+        return self.capture
 
     def current_stream(self) -> SimStream:
         """The one compute stream."""
@@ -88,7 +99,8 @@ class SimulatedEngine:
             alive = source_ref()
             if alive is None:
                 raise AssertionError(f"the source of copy {tag} was released before the copy ran")
-            host.copy_(alive)
+            raw = alive.conj() if alive.is_conj() else alive  # what a DMA reads: the bytes
+            host.copy_(torch._neg_view(raw) if raw.is_neg() else raw)
 
         return self._enqueue(tag, copy)
 
@@ -97,6 +109,11 @@ class SimulatedEngine:
     ) -> tuple[torch.Tensor, SimEvent]:
         """Queue a copy of ``host`` into a new tensor; return the tensor and the event."""
         tag = self._tag_of(host)
+        if self.out_of_memory_after is not None:
+            if self.out_of_memory_after <= 0:
+                self.out_of_memory_after = None
+                raise torch.OutOfMemoryError(f"simulated: no device memory for copy {tag}")
+            self.out_of_memory_after -= 1
         out = torch.empty_strided(size, stride, dtype=dtype, device="cpu")
         self.log.append(("to_device", tag))
 

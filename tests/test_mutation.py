@@ -923,6 +923,8 @@ class TestAllowMutationOnSavedTensors:
         assert written(aten._foreach_mul_.Scalar) == ((0, "self", False),)
         assert written(aten.max.dim_max) == ((-1, "max", True), (-1, "max_values", True))
         assert written(aten.resize_.default) == ((0, "self", True),)
+        # Its schema says it writes self; it only tells the allocator which stream uses it.
+        assert written(aten.record_stream.default) == ()
 
     def test_read_only_ops_take_the_fast_path(self) -> None:
         """After its first call an op that writes nothing is a single dict lookup."""

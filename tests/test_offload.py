@@ -1180,6 +1180,92 @@ class TestCopyStrides:
             assert strides == torch.empty(t.shape).stride()
 
 
+class TestDeviceRules:
+    """Rules of NOTE [Offloading saved tensors without races] a device brings, on the simulation."""
+
+    @staticmethod
+    def _bits_program() -> tuple[list[torch.Tensor], Callable[[], torch.Tensor]]:
+        a = torch.randn(4, 4, dtype=torch.complex64, requires_grad=True)
+        b = torch.randn(4, 4, dtype=torch.complex64, requires_grad=True)
+        z = torch.randn(4, 4, dtype=torch.complex64)
+        w = torch.randn(4, 4, requires_grad=True)
+
+        def run() -> torch.Tensor:
+            # mm saves b.mH (a conjugate view); mul saves z.conj().imag (a negative view).
+            return (a @ b.mH).abs().sum() + (z.conj().imag * w).sum()
+
+        return [a, b, w], run
+
+    def _offloaded_grads(self, sim: SimulatedEngine) -> list[torch.Tensor]:
+        leaves, run = self._bits_program()
+        expected = torch.autograd.grad(run(), leaves)
+        with th.save_on_cpu(pin_memory=True, min_offload_bytes=0):
+            loss = run()
+        assert copies(sim), "nothing went through the simulated device"
+        got = torch.autograd.grad(loss, leaves)
+        return [g - e for g, e in zip(got, expected, strict=True)]
+
+    def test_conjugate_and_negative_views_keep_their_values(self, sim: SimulatedEngine) -> None:
+        """A saved conj or neg view comes back with its bits: copies move raw bytes, as a DMA."""
+        for difference in self._offloaded_grads(sim):
+            assert difference.abs().max().item() == 0.0
+
+    def test_dropping_the_bits_is_caught(
+        self, sim: SimulatedEngine, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Negative control: copying a conj/neg view as it is gives wrong gradients here."""
+        import tensorhooks._offload_records as records
+
+        monkeypatch.setattr(records, "strip_view_bits", lambda t: (t, (False, False)))
+        worst = max(d.abs().max().item() for d in self._offloaded_grads(sim))
+        assert worst > 1e-3
+
+    def test_capture_is_refused(self, sim: SimulatedEngine) -> None:
+        """An offload while the stream is being captured raises OffloadCaptureError."""
+        x = torch.randn(4, 4, requires_grad=True)
+        sim.capture = True
+        with (
+            pytest.raises(th.OffloadCaptureError, match=r"being captured into a graph"),
+            th.save_on_cpu(pin_memory=True, min_offload_bytes=0),
+        ):
+            x.exp()
+        assert not copies(sim)
+        sim.capture = False
+        with th.save_on_cpu(pin_memory=True, min_offload_bytes=0):
+            y = x.exp()
+        y.sum().backward()
+        assert x.grad is not None
+        torch.testing.assert_close(x.grad, x.detach().exp())
+
+    def test_out_of_memory_in_prefetch_does_not_fail_backward(self, sim: SimulatedEngine) -> None:
+        """A prefetch that runs out of device memory gives up; the unpack fetches it later."""
+        x = torch.randn(4, 4, requires_grad=True)
+        with th.save_on_cpu(pin_memory=True, min_offload_bytes=0, prefetch=2):
+            h = x
+            for _ in range(6):
+                h = h.sin()
+        sim.out_of_memory_after = 1  # the first unpack's own copy goes through, its prefetch not
+        (grad,) = torch.autograd.grad(h.sum(), x)
+        assert sim.out_of_memory_after is None, "no copy back ran out of memory"
+        expected = x.detach()
+        ref = expected.requires_grad_()
+        h_ref = ref
+        for _ in range(6):
+            h_ref = h_ref.sin()
+        (grad_ref,) = torch.autograd.grad(h_ref.sum(), ref)
+        torch.testing.assert_close(grad, grad_ref, rtol=0, atol=0)
+
+    def test_out_of_memory_when_needed_still_raises(self, sim: SimulatedEngine) -> None:
+        """The copy backward needs now is not speculative: its out-of-memory error propagates."""
+        x = torch.randn(4, 4, requires_grad=True)
+        with th.save_on_cpu(pin_memory=True, min_offload_bytes=0, prefetch=2):
+            h = x.sin().sin()
+        sim.out_of_memory_after = 0
+        with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+            h.sum().backward()
+        assert th.live_graph_tasks() == 0
+
+
 # --- CUDA ------------------------------------------------------------------------------------
 
 
@@ -1190,6 +1276,46 @@ class TestSaveOnCpuCuda:
 
     def _mlp(self, width: int = 512, layers: int = 6) -> torch.nn.Sequential:
         return mlp(layers, width).cuda()
+
+    def test_conjugate_and_negative_views(self) -> None:
+        """Saved conj and neg views of many MiB come back with their values (raw copy + bits)."""
+        a = torch.randn(2048, 1024, dtype=torch.complex64, device="cuda", requires_grad=True)
+        b = torch.randn(1024, 1024, dtype=torch.complex64, device="cuda", requires_grad=True)
+        z = torch.randn(2048, 1024, dtype=torch.complex64, device="cuda")
+        w = torch.randn(2048, 1024, device="cuda", requires_grad=True)
+
+        def loss() -> torch.Tensor:
+            return (a @ b.mH).abs().sum() + (z.conj().imag * w).sum()
+
+        expected = torch.autograd.grad(loss(), [a, b, w])
+        with th.save_on_cpu(pin_memory=True):
+            out = loss()
+        torch.cuda._sleep(10_000_000)  # keep the stream busy so that a raced copy would show
+        for got, want in zip(torch.autograd.grad(out, [a, b, w]), expected, strict=True):
+            torch.testing.assert_close(got, want)
+
+    def test_capture_is_refused(self) -> None:
+        """Offloading under CUDA graph capture raises OffloadCaptureError."""
+        x = torch.randn(1024, 1024, device="cuda", requires_grad=True)
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            x.exp()  # warm-up outside capture
+        with (
+            pytest.raises(th.OffloadCaptureError, match="being captured"),
+            torch.cuda.graph(graph, stream=stream),
+            th.save_on_cpu(pin_memory=True),
+        ):
+            x.exp()
+
+    def test_inside_allow_mutation(self) -> None:
+        """save_on_cpu inside allow_mutation_on_saved_tensors on CUDA: right grads, no raise."""
+        model = self._mlp()
+        x = torch.randn(64, 512, device="cuda")
+        expected = mlp_grads(model, x)
+        with th.allow_mutation_on_saved_tensors():
+            got = mlp_grads(model, x, th.save_on_cpu(pin_memory=True, min_offload_bytes=0))
+        assert_grads_equal(got, expected)
 
     @pytest.mark.parametrize("pin_memory", [False, True])
     def test_grads_match_plain(self, pin_memory: bool) -> None:
