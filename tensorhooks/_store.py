@@ -31,8 +31,9 @@ __all__ = ["GraphTaskState", "GraphTaskStore", "graph_task_store", "live_graph_t
 #   success: engine runs the callback (end-of-task callbacks of the task run there), then drops
 #            it; the sentinel dies; the finalizer removes the task's entry.
 #   failure: engine drops the callback without running it; the sentinel dies; the finalizer
-#            removes the task's entry, so nothing a failed backward buffered (grads after an OOM)
-#            survives it.
+#            removes the task's entry and empties its state, so nothing a failed backward
+#            buffered (grads after an OOM) survives it, even while the hook that raised keeps
+#            the state referenced from its frame through the exception's traceback.
 #
 #   an end callback raises: the exception's traceback holds the callback's frame, and so the
 #            sentinel, for as long as the exception is referenced (a log, a retry loop's
@@ -168,7 +169,7 @@ class GraphTaskStore:
                 return state
             state = GraphTaskState(task_id)
             sentinel = _Sentinel()
-            finalizer = weakref.finalize(sentinel, self._tasks.pop, task_id, None)
+            finalizer = weakref.finalize(sentinel, self._drop, task_id, state)
             finalizer.atexit = False
 
             def end_of_task(sentinel: _Sentinel = sentinel) -> None:
@@ -187,6 +188,16 @@ class GraphTaskStore:
             del sentinel
             self._tasks[task_id] = state
             return state
+
+    def _drop(self, task_id: int, state: GraphTaskState) -> None:
+        """Forget a task that ended and empty its state.
+
+        Emptied, not only forgotten: a hook that raised in backward keeps the state referenced
+        from its frame for as long as the exception's traceback lives (see NOTE [Releasing
+        graph-task state]).
+        """
+        self._tasks.pop(task_id, None)
+        state._release()
 
     def __len__(self) -> int:
         return len(self._tasks)

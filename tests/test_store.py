@@ -79,6 +79,49 @@ class TestGraphTaskStore:
         assert payloads[0]() is None
         assert later == []
 
+    def test_state_released_while_a_hook_error_is_referenced(self) -> None:
+        """A hook that raised in backward keeps the task's state in its frame: emptied anyway."""
+        payloads: list[weakref.ref[torch.Tensor]] = []
+
+        def hook(grad: torch.Tensor) -> None:
+            state = graph_task_store.current()
+            payload = state.get("payload", lambda: torch.zeros(1000))
+            payloads.append(weakref.ref(payload))
+            del payload
+            raise BackwardFailedError("hook failed on purpose")
+
+        with pytest.raises(BackwardFailedError) as caught:
+            run_backward_with(hook)
+        gc.collect()
+        assert caught.value.__traceback__ is not None  # the hook's frame, holding `state`, lives
+        assert tensorhooks.live_graph_tasks() == 0
+        assert payloads[0]() is None
+
+    def test_buffered_grads_released_while_a_multi_grad_error_is_referenced(self) -> None:
+        """One multi-grad hook raising frees what another buffered, exception kept or not."""
+        a = torch.ones(1000, requires_grad=True)
+        b = torch.ones(1000, requires_grad=True)
+        c = torch.ones(1, requires_grad=True)
+        b_out, c_out, a_out = b * 2, c * 1, a * 2  # backward runs a_out's node first, b_out's last
+        grads: list[weakref.ref[torch.Tensor]] = []
+        a_out.register_hook(lambda g: grads.append(weakref.ref(g)))
+
+        def boom(_: object) -> None:
+            raise BackwardFailedError("multi-grad hook failed on purpose")
+
+        handles = [
+            tensorhooks.register_multi_grad_hook([a_out, b_out], lambda _: None),
+            tensorhooks.register_multi_grad_hook([c_out], boom),
+        ]
+        with pytest.raises(BackwardFailedError) as caught:
+            (a_out.sum() + b_out.sum() + c_out.sum()).backward()
+        gc.collect()
+        assert caught.value.__traceback__ is not None
+        assert grads, "a_out's gradient was never computed"
+        assert grads[0]() is None, "a buffered gradient outlived the failed backward"
+        for handle in handles:
+            handle.remove()
+
     def test_end_callbacks_run_in_order_then_registration_order(self) -> None:
         """End callbacks run after the graph task, sorted by order, stable within an order."""
         calls: list[str] = []
