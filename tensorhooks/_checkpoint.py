@@ -12,6 +12,13 @@
 # whether backward succeeded, raised part-way or stopped early, and a second backward over a
 # retained graph (a new task) recomputes again. Each position is handed out once per task.
 #
+# Inputs. Every tensor argument is an input of the region, however it is passed: positional,
+# keyword, or inside a list, tuple (named or not) or dict argument (`_Arguments` takes them out
+# and rebuilds those containers around the saved tensors in recomputation; a container with no
+# tensor in it is passed as itself). Keeping a keyword or nested tensor by reference instead
+# would let a write to it, inside the region or before backward, reach recomputation unseen:
+# a silently wrong gradient. Tensors inside other objects are tensors from elsewhere (below).
+#
 # Recomputation replays what the forward pass ran under: the CPU and device RNG states, the
 # autocast state of the CPU and of the inputs' device, the default device, and the second
 # context of ``context_fn``. It then checks (``determinism_check="default"``) that as many
@@ -25,6 +32,23 @@
 # runs once more keeping clones (and keeps clones from then on). So backward always reads the
 # save-time value, where plain autograd would raise its in-place error and torch's checkpoint
 # silently uses the changed value.
+#
+# A cycle. An input that the forward pass changes in place gets a ``grad_fn`` inside the region,
+# whose nodes hold the holders, which hold the frame. Were the frame to hold the input still,
+# that cycle would run through autograd's C++ nodes, where the garbage collector cannot follow
+# it, and the graph would leak. Saved with no hooks in force, such an input can only raise
+# autograd's in-place error at unpack, so the frame keeps that error (with a detached alias for
+# its message) instead of the input.
+#
+# Tensors from elsewhere. A tensor that the function reaches other ways (a closure, a module
+# attribute) is read again by recomputation. The saved tensors still alive when the forward
+# pass ends are those (and the inputs, which their saved form checks); the frame keeps a weak
+# reference to each and its version then. One whose version moved before a recomputation was
+# changed in place in between; if recomputation saves that very tensor again, it read the
+# changed value, and the unpack of that position raises autograd's in-place error, as plain
+# autograd's unpack would (torch's checkpoint silently uses the changed value). Writes made by
+# the region itself, in the forward pass or a recomputation, count as the region's: a function
+# that writes the same values into a buffer on every run is not flagged.
 #
 # Both pairs are wrapped by the save guard of the thread that pushes them, like every pair of the
 # toolkit, and registered as protected: the region's pack keeps no tensor data, and the
@@ -44,11 +68,12 @@ import torch
 from torch.utils.checkpoint import CheckpointError
 
 from ._checkpoint_policy import SelectiveForward, adopt_contexts
-from ._errors import CheckpointArgumentValueError
+from ._errors import CheckpointArgumentValueError, SavedTensorModifiedError
 from ._guards import (
     SavedCopy,
     current_save_guard,
     modified_error,
+    modified_message,
     register_protected_pack_hook,
 )
 from ._store import graph_task_store
@@ -144,13 +169,29 @@ class _Holder(SavedCopy):
         self.index = index
 
 
+class _Outside:
+    """A tensor the forward pass saved that outlived it (a closure's, a module's), by position.
+
+    See NOTE [Checkpointing on saved-tensor hooks], "Tensors from elsewhere".
+    """
+
+    __slots__ = ("ref", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.ref = weakref.ref(tensor)
+        self.version = tensor._version  # as the region's runs left it
+
+
 class _Recomputation:
     """One graph task's recomputation of one region: the tensors kept, by position."""
 
-    __slots__ = ("count", "done", "ignore_mismatch", "kept", "lock", "tensors")
+    __slots__ = ("count", "done", "ignore_mismatch", "kept", "lock", "moved", "stale", "tensors")
 
     def __init__(self) -> None:
         self.tensors: dict[int, torch.Tensor] = {}
+        # Positions of tensors from elsewhere changed since the forward pass: (now, expected).
+        self.moved: dict[int, tuple[int, int]] = {}
+        self.stale: dict[int, tuple[int, int]] = {}  # those of them recomputation read again
         self.kept: list[tuple[torch.Tensor, int]] = []
         self.count = 0
         self.done = False
@@ -159,6 +200,7 @@ class _Recomputation:
 
     def reset(self) -> None:
         self.tensors.clear()
+        self.stale.clear()
         self.kept.clear()
         self.count = 0
         self.ignore_mismatch = False
@@ -169,6 +211,89 @@ class _Recomputation:
 
 def _requiring_grad(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.requires_grad else tensor.detach().requires_grad_()
+
+
+class _Slot:
+    """Where a tensor argument was: its index among the region's input tensors."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+class _Container:
+    """A list, tuple or dict argument holding tensors, with a `_Slot` in place of each."""
+
+    __slots__ = ("items", "keys", "kind")
+
+    def __init__(self, kind: type, items: list[Any], keys: list[Any] | None) -> None:
+        self.kind = kind
+        self.items = items
+        self.keys = keys
+
+    def build(self, tensors: list[torch.Tensor]) -> Any:
+        values = [_put_tensors(item, tensors) for item in self.items]
+        if self.keys is not None:
+            return dict(zip(self.keys, values, strict=True))
+        if self.kind is list:
+            return values
+        if self.kind is tuple:
+            return tuple(values)
+        return self.kind(*values)  # a named tuple
+
+
+def _is_container(value: object) -> bool:
+    kind = type(value)
+    return kind in (list, tuple, dict) or (
+        isinstance(value, tuple) and hasattr(kind, "_fields") and hasattr(kind, "_make")
+    )
+
+
+def _take_tensors(value: Any, tensors: list[torch.Tensor], seen: dict[int, int]) -> Any:
+    """``value`` with its tensors (also in lists, tuples, dicts) moved to ``tensors``, once each."""
+    if isinstance(value, torch.Tensor):
+        index = seen.get(id(value))
+        if index is None:
+            index = seen[id(value)] = len(tensors)
+            tensors.append(value)
+        return _Slot(index)
+    if not _is_container(value):
+        return value
+    keys = list(value) if type(value) is dict else None
+    originals = list(value) if keys is None else list(value.values())
+    items = [_take_tensors(item, tensors, seen) for item in originals]
+    if all(item is original for item, original in zip(items, originals, strict=True)):
+        return value  # no tensor inside: passed as itself
+    return _Container(type(value), items, keys)
+
+
+def _put_tensors(template: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(template, _Slot):
+        return tensors[template.index]
+    if isinstance(template, _Container):
+        return template.build(tensors)
+    return template
+
+
+class _Arguments:
+    """A call's arguments with the tensors taken out.
+
+    See NOTE [Checkpointing on saved-tensor hooks], "Inputs".
+    """
+
+    __slots__ = ("args", "kwargs")
+
+    def __init__(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[torch.Tensor]
+    ) -> None:
+        seen: dict[int, int] = {}
+        self.args = _take_tensors(args, tensors, seen)
+        self.kwargs = _take_tensors(kwargs, tensors, seen)
+
+    def rebuild(self, tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The arguments again, with ``tensors`` in the places the inputs were."""
+        return _put_tensors(self.args, tensors), _put_tensors(self.kwargs, tensors)
 
 
 def _save_inputs(tensors: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
@@ -279,6 +404,7 @@ class _Frame:
 
     __slots__ = (
         "__weakref__",
+        "arguments",
         "clone_inputs",
         "clone_saves",
         "early_stop",
@@ -288,9 +414,11 @@ class _Frame:
         "inputs",
         "metadata",
         "metadata_fn",
+        "outside",
         "recompute_context",
         "region",
         "run",
+        "saved",
     )
 
     def __init__(
@@ -311,7 +439,10 @@ class _Frame:
         self.error_cb = error_cb
         self.holders: list[weakref.ref[_Holder]] = []
         self.metadata: list[Any] = []
-        self.inputs: Callable[[], list[Any]] = list
+        self.saved: list[weakref.ref[torch.Tensor]] = []  # during the forward pass only
+        self.outside: dict[int, _Outside] = {}
+        self.inputs: Callable[[], list[torch.Tensor]] = list
+        self.arguments = _Arguments((), {}, [])
         self.forward_completed = False
         self.clone_inputs = False
         self.clone_saves = False
@@ -321,10 +452,26 @@ class _Frame:
         holder = _Holder(self, len(self.holders))
         self.holders.append(weakref.ref(holder))
         self.metadata.append(self.metadata_fn(tensor))
+        self.saved.append(weakref.ref(tensor))
         return holder
+
+    def seal(self) -> None:
+        """At the end of the forward pass: note the saved tensors that outlive it."""
+        self.forward_completed = True
+        for index, ref in enumerate(self.saved):
+            tensor = ref()
+            if tensor is not None:
+                self.outside[index] = _Outside(tensor)
+        self.saved = []
 
     def recompute(self, state: _Recomputation) -> None:
         """Run the region again, keeping its saved tensors in ``state``; check them."""
+        starts = self._outside_versions()
+        state.moved = {
+            index: (now, self.outside[index].version)
+            for index, now in starts.items()
+            if now != self.outside[index].version
+        }
         self._run_again(state)
         if state.changed_in_place():
             # See NOTE [Checkpointing on saved-tensor hooks], "In-place writes".
@@ -332,19 +479,32 @@ class _Frame:
             state.reset()
             self._run_again(state)
         state.kept.clear()
+        self._advance_outside(starts)
         self._check(state)
 
+    def _outside_versions(self) -> dict[int, int]:
+        versions = {}
+        for index, outside in self.outside.items():
+            tensor = outside.ref()
+            if tensor is not None:
+                versions[index] = tensor._version
+        return versions
+
+    def _advance_outside(self, starts: dict[int, int]) -> None:
+        """Count the recomputation's own writes to tensors from elsewhere as the region's."""
+        for index, start in starts.items():
+            outside = self.outside[index]
+            tensor = outside.ref()
+            if tensor is not None:
+                outside.version += tensor._version - start
+
     def _run_again(self, state: _Recomputation) -> None:
-        args = self.inputs()
+        tensors = self.inputs()
         if self.clone_inputs:
             # Non-leaf clones (the function writes to them), connected to nothing that matters.
             with torch.enable_grad():
-                args = [
-                    arg.detach().requires_grad_(arg.requires_grad).clone()
-                    if isinstance(arg, torch.Tensor)
-                    else arg
-                    for arg in args
-                ]
+                tensors = [t.detach().requires_grad_(t.requires_grad).clone() for t in tensors]
+        args, kwargs = self.arguments.rebuild(tensors)
         pack, unpack = current_save_guard().wrap(
             functools.partial(_keep_recomputed, self, state), _identity
         )
@@ -353,7 +513,7 @@ class _Frame:
         _recomputing.depth += 1
         try:
             with torch.enable_grad(), self.region.replay(), self.recompute_context:
-                self.run(*args)
+                self.run(*args, **kwargs)
         except _StopRecomputation:
             pass
         finally:
@@ -409,6 +569,9 @@ def _keep_recomputed(frame: _Frame, state: _Recomputation, tensor: torch.Tensor)
         kept = _clone_below_modes(kept)
     if frame.holders[index]() is not None:  # else its node was already released
         state.tensors[index] = kept
+        moved = state.moved.get(index)
+        if moved is not None and frame.outside[index].ref() is tensor:
+            state.stale[index] = moved  # See NOTE [Checkpointing...], "Tensors from elsewhere"
         state.kept.append((kept, kept._version))
     if frame.early_stop and index + 1 == total:
         raise _StopRecomputation
@@ -461,7 +624,38 @@ def _unpack_from(frame: _Frame, index: int) -> torch.Tensor:
             "in one backward call. If a custom Function reads ctx.saved_tensors in backward, "
             "read it once and keep the result."
         )
+    stale = state.stale.get(index)
+    if stale is not None:
+        raise _changed_outside_error(tensor, *stale)
     return tensor
+
+
+def _raise_changed_input(tensor: torch.Tensor, version: int) -> Callable[[], list[torch.Tensor]]:
+    """What unpacking the inputs would do, holding no ``grad_fn``: raise the in-place error."""
+    alias = tensor.detach()
+
+    def inputs() -> list[torch.Tensor]:
+        raise SavedTensorModifiedError(
+            modified_message(alias.type(), list(alias.shape), alias._version, version)
+            + " Hint: the checkpointed function changed this argument in place, and "
+            "recomputation needs its value from the call. Clone it before the call, or run "
+            "under tensorhooks.allow_mutation_on_saved_tensors() to keep that value."
+        )
+
+    return inputs
+
+
+def _changed_outside_error(
+    tensor: torch.Tensor, version: int, expected: int
+) -> SavedTensorModifiedError:
+    return SavedTensorModifiedError(
+        modified_message(tensor.type(), list(tensor.shape), version, expected)
+        + " Hint: the checkpointed function reads this tensor from outside its arguments (a "
+        "closure, a module attribute), and it was changed in place between the forward pass "
+        "and backward, so recomputation would use the changed value. Pass it to checkpoint as "
+        "an argument (then allow_mutation_on_saved_tensors() keeps its saved value), or change "
+        "it after backward."
+    )
 
 
 @overload
@@ -527,7 +721,8 @@ def checkpoint(
 
     Args:
         function: what to run; ``None`` to get a decorator taking the same options.
-        *args: its positional arguments (tensors among them are saved as a node saves them).
+        *args: its positional arguments. Tensors among them, also inside list, tuple and dict
+            arguments, are saved as a node saves its inputs.
         use_reentrant: ``None`` or ``False``; ``True`` is refused (see Raises).
         preserve_rng_state: replay the CPU and device RNG state in recomputation.
         context_fn: returns ``(forward_context, recompute_context)``, e.g.
@@ -536,7 +731,8 @@ def checkpoint(
         debug: on a `CheckpointError`, add torch's trace of the ops of both runs.
         early_stop: stop recomputing once every saved tensor is back (torch's
             ``set_checkpoint_early_stop`` overrides it).
-        **kwargs: keyword arguments of ``function``.
+        **kwargs: keyword arguments of ``function``; tensors among them are saved as in
+            ``args``.
 
     Returns:
         What ``function`` returns (or the decorator, with ``function=None``).
@@ -546,8 +742,12 @@ def checkpoint(
             known value, or ``debug=True`` comes with a ``context_fn`` (a ``ValueError``).
         CheckpointError: in backward, if recomputation saved a different number of tensors or
             tensors of another shape, dtype or device (a ``RuntimeError``).
-        SavedTensorModifiedError: in backward, if an input of the region was changed in place
-            after the call (autograd's in-place error).
+        RuntimeError: in backward, autograd's in-place error if a tensor argument was changed
+            in place, inside the function or after the call (outside
+            ``allow_mutation_on_saved_tensors``).
+        SavedTensorModifiedError: in backward, if a tensor the function reads from elsewhere (a
+            closure, a module attribute) and saved was changed in place before recomputation
+            read it again (a ``RuntimeError`` with autograd's message).
 
     Nesting and threads: regions nest (the innermost manages its tensors, its inputs are saved
     by the enclosing one). Backward calls may run on several threads at once over the same or
@@ -645,36 +845,23 @@ def _run_region(
     error_cb: Callable[[Exception], Any] | None,
 ) -> Any:
     forward_context, recompute_context = adopt_contexts(*context_fn())
-    tensors = [arg for arg in args if isinstance(arg, torch.Tensor)]
+    tensors: list[torch.Tensor] = []
+    arguments = _Arguments(args, kwargs, tensors)
     region = _RegionState(tensors, preserve_rng_state)
     had_device = _device_initialized(region.device_type)
     override = torch_checkpoint_early_stop_override()
-
-    def run(*inputs: Any) -> None:
-        function(*inputs, **kwargs)
-
     frame = _Frame(
-        run,
+        function,
         region,
         recompute_context=recompute_context,
         early_stop=early_stop if override is None else override,
         metadata_fn=metadata_fn,
         error_cb=error_cb,
     )
-    positions = [i for i, arg in enumerate(args) if isinstance(arg, torch.Tensor)]
-    unpack_tensors = _save_inputs(tensors)
-    template = list(args)
-
-    def inputs() -> list[Any]:
-        values = template.copy()
-        for position, tensor in zip(positions, unpack_tensors(), strict=True):
-            values[position] = tensor
-        return values
-
-    # The template keeps the non-tensor arguments; tensors come back through the saved form.
-    for position in positions:
-        template[position] = None
-    frame.inputs = inputs
+    # The arguments keep what is not a tensor; tensors come back through the saved form.
+    unhooked = top_saved_tensors_hooks is not None and top_saved_tensors_hooks() is None
+    frame.inputs = _save_inputs(tensors)
+    frame.arguments = arguments
     versions = [tensor._version for tensor in tensors]
     offload = (
         forward_context.offload_context()
@@ -690,10 +877,15 @@ def _run_region(
                 output = function(*args, **kwargs)
         finally:
             pop_saved_tensors_hooks()
-    frame.forward_completed = True
-    frame.clone_inputs = any(
-        tensor._version != version for tensor, version in zip(tensors, versions, strict=True)
-    )
+    frame.seal()
+    changed = [
+        (tensor, version)
+        for tensor, version in zip(tensors, versions, strict=True)
+        if tensor._version != version
+    ]
+    frame.clone_inputs = bool(changed)
+    if changed and unhooked:  # See NOTE [Checkpointing on saved-tensor hooks], "A cycle"
+        frame.inputs = _raise_changed_input(*changed[0])
     if preserve_rng_state and not had_device and _device_initialized(region.device_type):
         raise RuntimeError(
             "tensorhooks.checkpoint: the device was initialised inside the checkpointed "

@@ -9,7 +9,7 @@ import tempfile
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -446,6 +446,149 @@ def test_input_changed_in_place_after_the_call_raises() -> None:
         out.sum().backward()
 
 
+class _Tagged(NamedTuple):
+    h: torch.Tensor
+    tag: str
+
+
+# How a test passes its tensor ``h`` to the checkpointed function: (args, kwargs) from ``h``, and
+# ``h`` back from (args, kwargs).
+_CALL_FORMS: dict[str, tuple[Callable[[torch.Tensor], Any], Callable[..., torch.Tensor]]] = {
+    "keyword": (lambda h: ((), {"h": h}), lambda a, k: k["h"]),
+    "in a list": (lambda h: (([2.0, h],), {}), lambda a, k: a[0][1]),
+    "in a tuple keyword": (lambda h: ((), {"hs": (None, h)}), lambda a, k: k["hs"][1]),
+    "in a dict": (lambda h: (({"h": h, "n": 3},), {}), lambda a, k: a[0]["h"]),
+    "in a named tuple": (lambda h: ((_Tagged(h, "t"),), {}), lambda a, k: a[0].h),
+}
+
+
+def _writes_its_input(w: torch.Tensor, form: str) -> Callable[..., torch.Tensor]:
+    """``h += h * w; h.sin()``, reading ``h`` from the arguments as ``form`` passes it."""
+    get = _CALL_FORMS[form][1]
+
+    def block(*args: Any, **kwargs: Any) -> torch.Tensor:
+        h = get(args, kwargs)
+        h += h * w
+        return h.sin()
+
+    return block
+
+
+def _call(block: Callable[..., torch.Tensor], form: str, h: torch.Tensor, run: Any) -> Any:
+    args, kwargs = _CALL_FORMS[form][0](h)
+    return run(block, *args, **kwargs)
+
+
+@pytest.mark.parametrize("form", sorted(_CALL_FORMS))
+def test_keyword_or_nested_input_written_in_the_region_raises(form: str) -> None:
+    """A keyword or nested input the region writes in place raises, as a positional one does."""
+    w = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    out = _call(_writes_its_input(w, form), form, _input() * 1, checkpoint)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("form", sorted(_CALL_FORMS))
+def test_keyword_or_nested_input_written_under_allow_mutation(form: str) -> None:
+    """Under allow_mutation_on_saved_tensors a keyword or nested written input: plain gradients."""
+    w = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    h0 = _input()
+    block = _writes_its_input(w, form)
+    results = []
+    for run in (checkpoint, lambda f, *a, **k: f(*a, **k)):
+        with tensorhooks.allow_mutation_on_saved_tensors():
+            loss = _call(block, form, h0 * 1, run).sum()
+            results.append(torch.autograd.grad(loss, [h0, w]))
+    _assert_close(results[0], results[1])
+
+
+@pytest.mark.parametrize("form", sorted(_CALL_FORMS))
+def test_keyword_or_nested_input_changed_after_the_call(form: str) -> None:
+    """A keyword or nested input written before backward raises; under allow_mutation it is kept."""
+    get = _CALL_FORMS[form][1]
+    h0 = _input()
+
+    def block(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return get(args, kwargs).sin()
+
+    h = h0 * 1
+    out = _call(block, form, h, checkpoint)
+    h.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    with tensorhooks.allow_mutation_on_saved_tensors():
+        h = h0 * 1
+        out = _call(block, form, h, checkpoint)
+        h.mul_(2)
+        (got,) = torch.autograd.grad(out.sum(), [h0])
+    _assert_close([got], [h0.detach().cos()])
+
+
+def test_keyword_and_nested_inputs_are_saved_like_positional_ones() -> None:
+    """Outer hooks pack every input tensor once; recomputation gets the same argument shapes."""
+    x = _input()
+    packed: list[torch.Tensor] = []
+    calls: list[tuple[Any, ...]] = []
+    untouched: list[Any] = []
+
+    def block(a: torch.Tensor, pair: _Tagged, empty: list[Any], *, d: dict[str, Any]) -> Any:
+        calls.append((type(pair), pair.tag, empty is untouched, sorted(d), d["n"]))
+        return a.sin() + pair.h.exp() + d["h"].cos() + d["again"].tan()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packed.append(t)
+        return t
+
+    h, k = x * 1, x * 2
+    with tensorhooks.saved_tensors_hooks(pack, lambda t: t):
+        out = checkpoint(block, h, _Tagged(k, "t"), untouched, d={"h": x, "n": 3, "again": h})
+    assert [id(t) for t in packed] == [id(h), id(k), id(x)]  # h once, though passed twice
+    out.sum().backward()
+    assert calls[0] == calls[1] == (_Tagged, "t", True, ["again", "h", "n"], 3)
+    torch.testing.assert_close(x.grad, (x.cos() + 2 * (2 * x).exp() - x.sin() + 1 / x.cos() ** 2))
+
+
+def test_tensor_from_elsewhere_changed_before_backward_raises() -> None:
+    """A closure's saved tensor changed after the call raises; the region's own writes do not."""
+    w = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    x = _input()
+    v = w * 1
+    out = checkpoint(lambda h: (h * v).sin(), x)
+    v.mul_(2)
+    with pytest.raises(tensorhooks.SavedTensorModifiedError, match="outside its arguments"):
+        out.sum().backward()
+    buffer = torch.zeros(6, dtype=torch.float64)
+
+    def block(h: torch.Tensor) -> torch.Tensor:
+        buffer.copy_(w.detach() * 2)  # the same values on every run
+        return (h * buffer).sin()
+
+    loss = checkpoint(block, x).sum()
+    first = torch.autograd.grad(loss, [x], retain_graph=True)
+    _assert_close(first, torch.autograd.grad(loss, [x]))
+    _assert_close(first, [2 * w.detach() * (x * 2 * w).detach().cos()])
+
+
+def test_input_written_in_the_region_leaves_no_cycle() -> None:
+    """A region that writes its input in place, then fails in backward, is collected."""
+    from tensorhooks._checkpoint import _Frame
+
+    gc.collect()
+    before = sum(type(obj) is _Frame for obj in gc.get_objects())
+    w = torch.randn(6, dtype=torch.float64, requires_grad=True)
+
+    def block(h: torch.Tensor) -> torch.Tensor:
+        h += h * w
+        return h.sin()
+
+    out = checkpoint(block, _input() * 1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    del out
+    gc.collect()
+    assert sum(type(obj) is _Frame for obj in gc.get_objects()) == before
+
+
 def test_write_inside_the_region_after_a_save_uses_the_saved_value() -> None:
     """A tensor the region saves and then changes in place: the gradient of the save-time value."""
     w = torch.randn(6, dtype=torch.float64, requires_grad=True)
@@ -810,6 +953,46 @@ def test_save_on_cpu_outside_offloads_the_region_inputs() -> None:
             out = checkpoint(_block(w1, w2), x * 1)
         assert tensorhooks.save_on_cpu.stats("cpu").bytes_to_host == 4 * 6 * 8  # one input
         got = torch.autograd.grad(out.sum(), [x, w1, w2])
+    _assert_close(got, _grads(lambda: _block(w1, w2)(x * 1), [x, w1, w2]))
+
+
+@pytest.mark.parametrize(
+    ("outer_min_bytes", "offload_is_outer", "copies"),
+    [
+        (0, False, 3),  # the input, and the two mm outputs through the default offload context
+        (1 << 20, False, 2),  # the outer threshold keeps the input; the policy's outputs still go
+        (1 << 20, True, 0),  # offload= the outer context: its threshold applies to them too
+    ],
+)
+def test_save_on_cpu_outside_a_selective_region(
+    outer_min_bytes: int, offload_is_outer: bool, copies: int
+) -> None:
+    """save_on_cpu around a selective region offloads its inputs; CPU_OFFLOAD follows offload=."""
+    w1, w2 = _weights()
+    x = _input()
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op == aten.sin.default:
+            return CheckpointPolicy.MUST_SAVE  # kept on its device, whatever is around
+        return _policy(CheckpointPolicy.MUST_CPU_OFFLOAD)(ctx, op)
+
+    with simulated_device() as sim:
+        outer = tensorhooks.save_on_cpu(pin_memory=True, min_offload_bytes=outer_min_bytes)
+        options = {"offload": outer} if offload_is_outer else {}
+        context_fn = functools.partial(
+            tensorhooks.create_selective_checkpoint_contexts, policy, **options
+        )
+        with outer:
+            out = checkpoint(_block(w1, w2), x * 1, context_fn=context_fn)
+        assert [entry for entry in sim.log if entry[0] == "to_host"] == [
+            ("to_host", tag) for tag in range(copies)
+        ]
+        with OpCounter() as counter:
+            got = torch.autograd.grad(out.sum(), [x, w1, w2])
+        stats = tensorhooks.save_on_cpu.stats("cpu")
+    assert stats.bytes_to_host == stats.bytes_to_device == copies * 4 * 6 * 8
+    assert counter.counts.get(aten.mm.default, 0) == 4  # only the two mms' backward: none re-run
+    assert counter.counts.get(aten.sin.default, 0) == 0
     _assert_close(got, _grads(lambda: _block(w1, w2)(x * 1), [x, w1, w2]))
 
 
