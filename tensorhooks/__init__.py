@@ -27,6 +27,7 @@ from ._errors import MutationContextExitedError as MutationContextExitedError
 from ._errors import OffloadArgumentValueError as OffloadArgumentValueError
 from ._errors import OffloadCaptureError as OffloadCaptureError
 from ._errors import ParameterOffloadDeviceError as ParameterOffloadDeviceError
+from ._errors import ParameterOffloadTypeError as ParameterOffloadTypeError
 from ._errors import ParameterOffloadValueError as ParameterOffloadValueError
 from ._errors import SavedTensorModifiedError as SavedTensorModifiedError
 from ._errors import SyncArgumentTypeError as SyncArgumentTypeError
@@ -84,6 +85,7 @@ __all__ = [
     "OffloadStats",
     "ParameterOffloadDeviceError",
     "ParameterOffloadHandle",
+    "ParameterOffloadTypeError",
     "ParameterOffloadValueError",
     "ParameterTransfer",
     "SavedTensorModifiedError",

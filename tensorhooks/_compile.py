@@ -1,5 +1,18 @@
 """How tensorhooks' contexts meet ``torch.compile``.
 
+See NOTE [Contexts under torch.compile].
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = ["not_traced", "warn_compile_skipped"]
+
 # NOTE [Contexts under torch.compile]
 #
 # A compiled model called inside any tensorhooks context works: Dynamo compiles the model, and
@@ -17,17 +30,6 @@
 # function called inside the context runs eagerly. torch says nothing; we warn once per process
 # (`warn_compile_skipped`), from the mode's ``ignore_compile_internals``, which Dynamo asks only
 # when it is about to compile a frame (torch 2.9 and later; no warning before).
-"""
-
-from __future__ import annotations
-
-import warnings
-from collections.abc import Callable
-from typing import Any, TypeVar
-
-import torch
-
-__all__ = ["not_traced", "warn_compile_skipped"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 

@@ -4,22 +4,28 @@ One class per feature and failure. Every class also inherits the builtin that to
 same situation, so code written against ``torch.autograd.graph`` (``except RuntimeError:``,
 ``except TypeError:``) keeps working unchanged. Feature, failure: class (builtin).
 
+* every feature: the base class `TensorHooksError` (``Exception``).
 * hook APIs (``saved_tensors_hooks``, ``disable_saved_tensors_hooks``,
   ``register_multi_grad_hook``, ``save_on_cpu``), an argument of the wrong type:
   `HookArgumentTypeError` (``TypeError``); an argument value they do not accept:
   `HookArgumentValueError` (``ValueError``).
 * saved-tensor hooks, a saved tensor changed in place before backward:
   `SavedTensorModifiedError` (``RuntimeError``).
-* ``save_on_cpu``, an option value out of range: `OffloadArgumentValueError` (``ValueError``).
-* ``save_on_cpu``, an offload while a CUDA graph is being captured: `OffloadCaptureError`
-  (``RuntimeError``).
+* ``save_on_cpu``, an option value out of range: `OffloadArgumentValueError` (``ValueError``); an
+  offload while a CUDA graph is being captured: `OffloadCaptureError` (``RuntimeError``).
 * ``allow_mutation_on_saved_tensors``, backward after the context exited:
   `MutationContextExitedError` (``RuntimeError`` and ``AssertionError``); a write under torch's
   own hooks: `UnguardedHooksError` (``RuntimeError``).
+* ``checkpoint``, an option it does not take: `CheckpointArgumentValueError` (``ValueError``).
+* ``offload_parameters``, an argument of the wrong type: `ParameterOffloadTypeError`
+  (``TypeError``); blocks or options it cannot work with: `ParameterOffloadValueError`
+  (``ValueError``); no accelerator to stream to: `ParameterOffloadDeviceError` (``RuntimeError``).
 * ``sync_gradients``, an argument of the wrong type: `SyncArgumentTypeError` (``TypeError``); a
   value it cannot use: `SyncArgumentValueError` (``ValueError``); synchronisation failed in
   backward: `GradientSyncError` (``RuntimeError``).
 * the graph-task store, used outside backward: `GraphTaskError` (``RuntimeError``).
+* ``tensorhooks.testing``, hooks or a context that changed a gradient: its
+  ``GradientMismatchError`` (``AssertionError``), defined there with the checkers that raise it.
 
 Earlier names stay importable as aliases of the same classes: ``InvalidHookArgumentError``
 (`HookArgumentTypeError`), ``InvalidHookModeError`` (`HookArgumentValueError`),
@@ -43,6 +49,7 @@ __all__ = [
     "OffloadArgumentValueError",
     "OffloadCaptureError",
     "ParameterOffloadDeviceError",
+    "ParameterOffloadTypeError",
     "ParameterOffloadValueError",
     "SavedTensorModifiedError",
     "SyncArgumentTypeError",
@@ -158,6 +165,14 @@ class ParameterOffloadValueError(TensorHooksError, ValueError):
 
     Such as a block that is not a submodule of the module, two blocks of which one contains the
     other, or a negative ``prefetch``. Inherits `ValueError`, like torch's argument checks.
+    """
+
+
+class ParameterOffloadTypeError(TensorHooksError, TypeError):
+    """`tensorhooks.offload_parameters` was given an argument of the wrong type.
+
+    Such as a module that is not an ``nn.Module``, or a block that is not one. Inherits
+    `TypeError`, like torch's argument checks.
     """
 
 

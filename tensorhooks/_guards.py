@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from ._errors import SavedTensorModifiedError
-from ._torch_compat import is_alias_of, next_sequence_nr
+from ._torch_compat import is_alias_of, is_newest_node
 
 __all__ = [
     "PackHook",
@@ -76,7 +76,7 @@ def is_output_of_saving_node(tensor: torch.Tensor) -> bool:
     answer False: the tensor is then held as it is, as before.
     """
     grad_fn = tensor.grad_fn
-    return grad_fn is not None and grad_fn._sequence_nr() == next_sequence_nr() - 1
+    return grad_fn is not None and is_newest_node(grad_fn)
 
 
 class SavedCopy:

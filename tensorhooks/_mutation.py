@@ -29,17 +29,21 @@ from ._guards import (
 from ._torch_compat import (
     PYTHON_DISPATCH_KEY,
     OpOverload,
-    TorchDispatchMode,
+    UnwrappedDispatchMode,
     current_dispatch_mode,
     current_graph_task_id,
     get_disabled_hooks_message,
     is_alias_of,
     is_dispatch_key_excluded,
+    is_newest_node,
     next_sequence_nr,
+    op_call,
+    op_schema,
     pop_saved_tensors_hooks,
     push_saved_tensors_hooks,
     set_dispatch_key_excluded,
     skip_code_in_dynamo,
+    storage_key,
     top_saved_tensors_hooks,
     warn_once,
 )
@@ -69,7 +73,8 @@ __all__ = ["MutationContext", "allow_mutation_on_saved_tensors"]
 # Costs, in the order they are paid:
 #   every operator: one dict lookup keyed by the OpOverload's id. What an op writes is read from
 #       its schema (``alias_info.is_write``) the first time it is seen; ops that write nothing
-#       are then called straight through ``OpOverload._op``, skipping ``OpOverload.__call__``.
+#       are then called straight through the C++ operator (``op_call`` of `_torch_compat`),
+#       skipping ``OpOverload.__call__``.
 #   every saved tensor: one handle and one weak reference, added to the context's pending set
 #       (whose discard is the reference's callback). Nothing is keyed by storage yet: most saved
 #       tensors are never written.
@@ -94,7 +99,8 @@ __all__ = ["MutationContext", "allow_mutation_on_saved_tensors"]
 # Python-level wrapper that costs about as much per operator as the whole handler. We instead
 # tell Dynamo's frame evaluator to skip the handler's code object and everything it calls
 # (``set_code_exec_strategy``, what ``torch._dynamo.disable(recursive=True)`` amounts to, at no
-# per-call cost) and opt out of the wrapper; torch versions without that hook keep the wrapper.
+# per-call cost) and opt out of the wrapper (`UnwrappedDispatchMode` of `_torch_compat`); torch
+# versions without that hook keep the wrapper.
 #
 # Threads and nesting: each context has its own state; open contexts are listed in a module-level
 # tuple, and a write made under any context's mode, on any thread, protects the tensors saved by
@@ -134,8 +140,9 @@ _IMMUTABLE_TYPES = (
 )
 
 _EXITED_MESSAGE = (
-    # torch's own sentence first, for code that matches it
-    "Trying to backward outside of the 'allow_mutation_on_saved_tensors' context in which the "
+    # torch's own sentence first, as torch writes it (no space in "contextin", on 2.11 to 2.15),
+    # for code that matches it
+    "Trying to backward outside of the 'allow_mutation_on_saved_tensors' contextin which the "
     "graph was originally recorded. "
     "allow_mutation_on_saved_tensors: backward needed a tensor saved inside the context, but the "
     "context has exited (or was cleared) since the forward pass recorded the graph, so in-place "
@@ -237,12 +244,13 @@ def _make_pack(pending: set[weakref.ref[_SavedTensor]]) -> tuple[_Pack, _Track]:
     """
     add = pending.add
     discard = pending.discard
+    newest = is_newest_node
 
     def pack(tensor: torch.Tensor) -> _SavedTensor:
         # The hot path: is_output_of_saving_node and track inlined.
         saved = _SavedTensor()
         grad_fn = tensor.grad_fn
-        if grad_fn is None or grad_fn._sequence_nr() != next_sequence_nr() - 1:
+        if grad_fn is None or not newest(grad_fn):
             saved.tensor = tensor
         else:
             saved.tensor = _detached(tensor)
@@ -261,15 +269,6 @@ def _make_pack(pending: set[weakref.ref[_SavedTensor]]) -> tuple[_Pack, _Track]:
 
     register_protected_pack_hook(pack)
     return pack, track
-
-
-def _storage_key(tensor: torch.Tensor) -> int | None:
-    """The address of ``tensor``'s StorageImpl; None without a storage (sparse)."""
-    try:
-        key: int = tensor.untyped_storage()._cdata
-    except (NotImplementedError, RuntimeError):
-        return None
-    return key
 
 
 _EVERYTHING = (0, float("inf"))
@@ -403,7 +402,7 @@ class MutationContext:
             saved = ref()
             if saved is None:
                 continue
-            key = _storage_key(saved.tensor)
+            key = storage_key(saved.tensor)
             bucket = by_storage.get(key)
             if bucket is None:
                 by_storage[key] = [ref]
@@ -437,7 +436,7 @@ class MutationContext:
             return []
         touched = []
         for tensor in written:
-            key = _storage_key(tensor)
+            key = storage_key(tensor)
             if key in by_storage:
                 with self._lock:
                     self._clone_overlapping(key, tensor, resizes)
@@ -658,7 +657,7 @@ def _record_foreign_saves(
 ) -> None:
     with _foreign_saves_lock:
         for tensor in tensors:
-            key = _storage_key(tensor)
+            key = storage_key(tensor)
             records = [
                 record
                 for record in _foreign_saves.get(key, ())
@@ -672,7 +671,7 @@ def _check_foreign_saves(func: OpOverload, written: Sequence[torch.Tensor], resi
     """Raise if ``written`` can reach a tensor that hooks the context did not install kept."""
     task = current_graph_task_id()
     for tensor in written:
-        key = _storage_key(tensor)
+        key = storage_key(tensor)
         records = _foreign_saves.get(key)
         if not records:
             continue
@@ -801,7 +800,7 @@ _SEEN_OPS: list[OpOverload] = []
 
 def _written_arguments(func: OpOverload) -> tuple[_WrittenArgument, ...]:
     """The arguments ``func`` writes, read once from its schema."""
-    schema = func._schema
+    schema = op_schema(func)
     if schema.name in _VALUE_PRESERVING_OPS:
         return ()
     resizing_op = schema.name in _RESIZING_OPS
@@ -828,8 +827,7 @@ _open_contexts_lock = threading.Lock()
 def _first_call(func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Read which arguments ``func`` writes, cache it, then run it as later calls will."""
     written = _written_arguments(func)
-    # OpOverload.__call__ only forwards to _op; subclasses may do more.
-    call = func._op if type(func) is OpOverload else func
+    call = op_call(func)
     _SEEN_OPS.append(func)
     if not written:
         _READ_ONLY_OPS[id(func)] = call
@@ -888,7 +886,7 @@ def _torch_dispatch(
 _HANDLER_SKIPPED_BY_DYNAMO = skip_code_in_dynamo(_torch_dispatch.__code__)
 
 
-class _CloneBeforeWriteMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's base is untyped
+class _CloneBeforeWriteMode(UnwrappedDispatchMode):
     """Clones saved tensors that an operator is about to write. See NOTE [Clone before write]."""
 
     # The thread's node counter when last looked at, and the innermost pack hook known to be
@@ -896,12 +894,9 @@ class _CloneBeforeWriteMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     sequence_nr = -1
     known_pack: object = None
 
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # Read once by TorchDispatchMode.__init_subclass__: wrap the handler in
-        # torch._disable_dynamo only when Dynamo could not be told to skip it directly.
-        return not _HANDLER_SKIPPED_BY_DYNAMO
-
+    # torch's torch._disable_dynamo wrapper only when Dynamo could not be told to skip the
+    # handler directly.
+    handler_skipped_by_dynamo = _HANDLER_SKIPPED_BY_DYNAMO
     __torch_dispatch__ = _torch_dispatch
 
     def __enter__(self) -> Any:

@@ -21,7 +21,7 @@ from ._offload_pool import OffloadStats, pool_of
 from ._offload_records import HostCopy, Offloaded
 from ._offload_session import OffloadOptions, Session
 from ._saved import saved_tensors_hooks
-from ._torch_compat import next_sequence_nr, pop_saved_tensors_hooks, push_saved_tensors_hooks
+from ._torch_compat import is_newest_node, pop_saved_tensors_hooks, push_saved_tensors_hooks
 
 __all__ = ["OffloadStats", "save_on_cpu"]
 
@@ -101,13 +101,13 @@ def _guarded_pair(
     per unpack keeps the CPU path near the cost of identity hooks (see docs/performance.md).
     """
     slow = session.pack
-    peek = next_sequence_nr
+    newest = is_newest_node
 
     def pack(tensor: torch.Tensor) -> object:
         if tensor.is_cpu:
             # `kept` of _offload_session, inlined.
             grad_fn = tensor.grad_fn
-            if grad_fn is not None and grad_fn._sequence_nr() == peek() - 1:
+            if grad_fn is not None and newest(grad_fn):
                 tensor = tensor.detach()
             return (_ALIASED, tensor, tensor, tensor._version)
         return pack_any(tensor)
@@ -186,6 +186,8 @@ class save_on_cpu(saved_tensors_hooks):
         OffloadArgumentValueError: if a number is negative, or ``device_type`` is not a device
             type torch knows (torch falls back to CUDA's backend then; a ``ValueError``).
         RuntimeError: on entry, if hooks are disabled by ``disable_saved_tensors_hooks``.
+        OffloadCaptureError: in the forward pass, if a tensor would be offloaded while its
+            device's stream is being captured into a CUDA graph (a ``RuntimeError``).
         SavedTensorModifiedError: in backward, if a tensor that was not copied was changed in
             place after it was saved, or a tensor was changed in place while its asynchronous
             copy was still in flight (a ``RuntimeError``).

@@ -16,7 +16,7 @@ from ._guards import SavedCopy, modified_message
 from ._offload_engines import CopyEngine
 from ._offload_pool import HostPool
 from ._store import graph_task_store
-from ._torch_compat import current_graph_task_id, neg_view, next_sequence_nr
+from ._torch_compat import current_graph_task_id, neg_view, next_sequence_nr, sequence_nr
 
 __all__ = ["HostCopy", "Issuer", "Offloaded", "Prefetch", "Timeline", "copy_strides"]
 
@@ -131,7 +131,7 @@ def _computed_from(grad_fn: Any, node: int) -> bool:
     seen = {grad_fn}
     while stack:
         current = stack.pop()
-        number = current._sequence_nr()
+        number = sequence_nr(current)
         if number == node:
             return True
         if number < node:

@@ -4,6 +4,17 @@
 logic never touches streams or events itself, so tests drive it with a stand-in device (see
 ``tests/params_device.py``) and another accelerator can plug in its own transfer.
 
+See NOTE [Copies on a side stream without races].
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+__all__ = ["CudaTransfer", "ParameterTransfer"]
+
 # NOTE [Copies on a side stream without races]
 #
 # ``to_device`` allocates the device copy while a side stream is current and copies into it there,
@@ -16,15 +27,6 @@ logic never touches streams or events itself, so tests drive it with a stand-in 
 # stream, so dropping the device gradient right after is safe; ``synchronize`` blocks the host
 # until the copy landed, before anyone reads it. Host-to-device and device-to-host copies run on
 # separate streams so a gradient copy never queues behind a prefetch, nor the reverse.
-"""
-
-from __future__ import annotations
-
-from typing import Protocol
-
-import torch
-
-__all__ = ["CudaTransfer", "ParameterTransfer"]
 
 
 class ParameterTransfer(Protocol):

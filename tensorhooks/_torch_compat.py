@@ -1,12 +1,15 @@
 """Every private torch entry point tensorhooks uses, in one place.
 
-No other module of the package touches ``torch._C``, the autograd engine object or an underscore
-module of ``torch.utils``: they import from here. Each entry says the first torch release it is
-known on and what happens where it is missing (a fallback, or a clear error naming the release
-needed). "Known on" is the oldest release checked, not necessarily the first that has it. CI runs
-the suite on the ``torch`` floor of ``pyproject.toml`` (2.11), the pinned release of
-``constraints.txt`` and the newest release; every entry below exists on all three. See
-docs/torch-versions.md.
+No other module of the package touches ``torch._C``, the autograd engine object, an underscore
+module of ``torch.utils`` or an underscore attribute of torch's objects (a node's sequence number,
+an operator's schema, a storage's address): they import from here. Each entry says the first
+torch release it is known on and what happens where it is missing: a fallback, or a clear error
+naming the release needed. Entries read at import time go through `_required`, so a torch
+lacking one fails ``import tensorhooks`` with an ImportError naming the entry and the release,
+never a bare AttributeError. "Known on" is the oldest release checked, not necessarily the first
+that has it. CI runs the suite on the ``torch`` floor of ``pyproject.toml`` (2.11), the pinned
+release of ``constraints.txt`` and the newest release; every entry below exists on all three
+except `make_saved_tensor` (from 2.12; its fallback runs on 2.11). See docs/torch-versions.md.
 """
 
 from __future__ import annotations
@@ -18,35 +21,50 @@ from typing import Any
 
 import torch
 
-# An operator overload (its `_schema` and `_op` are read by allow_mutation_on_saved_tensors) and the
-# dispatch-mode base class: both known on torch 2.4.
+# An operator overload (read by allow_mutation_on_saved_tensors through `op_schema` and `op_call`),
+# the node base class, and the dispatch-mode module with its base class: known on torch 2.4. A
+# torch without them fails this import with its own ImportError.
 from torch._ops import OpOverload
 from torch.autograd.graph import Node
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch.utils import _python_dispatch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "PYTHON_DISPATCH_KEY",
+    "SUPPORTED_FLOOR",
     "TORCH_VERSION",
     "CheckpointPolicy",
     "OpOverload",
     "TorchDispatchMode",
+    "UnwrappedDispatchMode",
     "current_autograd_node",
     "current_dispatch_mode",
     "current_graph_task_id",
     "disable_saved_tensors_hooks_with",
     "enable_saved_tensors_hooks",
     "get_disabled_hooks_message",
+    "include_inplace_or_view_key",
     "is_alias_of",
     "is_captured_accumulator",
     "is_dispatch_key_excluded",
+    "is_newest_node",
+    "make_saved_tensor",
     "neg_view",
     "next_sequence_nr",
+    "op_call",
+    "op_schema",
     "pop_saved_tensors_hooks",
     "push_saved_tensors_hooks",
     "queue_callback",
+    "sequence_nr",
     "set_dispatch_key_excluded",
     "skip_code_in_dynamo",
+    "storage_key",
     "top_saved_tensors_hooks",
+    "torch_checkpoint_debug_override",
+    "torch_checkpoint_debug_tools",
+    "torch_checkpoint_early_stop_override",
+    "torch_selective_checkpoint_modes",
     "warn_once",
     "will_engine_execute_node",
     "will_engine_execute_nodes",
@@ -61,6 +79,9 @@ def _release(version: str) -> tuple[int, int]:
 TORCH_VERSION: tuple[int, int] = _release(torch.__version__)
 """The installed torch's (major, minor) release."""
 
+# The oldest torch tensorhooks supports: the floor of pyproject.toml (see docs/torch-versions.md).
+SUPPORTED_FLOOR = "2.11"
+
 _warned: set[str] = set()
 
 
@@ -72,23 +93,48 @@ def warn_once(key: str, message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
+def _required(owner: Any, path: str, since: str) -> Any:
+    """``owner.<path>`` (a dotted attribute path), read at import time.
+
+    Raises:
+        ImportError: where this torch lacks it, naming the entry and the torch release needed
+            (``since``, the oldest release it is known on), instead of a bare AttributeError.
+    """
+    value = owner
+    try:
+        for name in path.split("."):
+            value = getattr(value, name)
+    except AttributeError:
+        where = f"{getattr(owner, '__name__', type(owner).__name__)}.{path}"
+        raise ImportError(
+            f"tensorhooks needs {where}, which torch {torch.__version__} does not have (it is "
+            f"known on torch {since} and later); install torch>={SUPPORTED_FLOOR}, the "
+            "releases tensorhooks is tested on (see docs/torch-versions.md)"
+        ) from None
+    return value
+
+
 # --- The autograd engine ----------------------------------------------------------------------
 
 # The id of the graph task (one backward()/autograd.grad() call) running on this thread, -1
 # outside backward. Known on torch 2.4.
-current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
+current_graph_task_id: Callable[[], int] = _required(torch, "_C._current_graph_task_id", "2.4")
 
 # Queue a callback to run at the successful end of the current graph task; the engine drops its
 # reference to it when the task dies either way (see NOTE [Releasing graph-task state] in
 # _store.py). Known on torch 2.4.
-queue_callback: Callable[[Callable[[], None]], None] = (
-    torch.autograd.Variable._execution_engine.queue_callback
+queue_callback: Callable[[Callable[[], None]], None] = _required(
+    torch, "autograd.Variable._execution_engine.queue_callback", "2.4"
 )
 
 # The node being executed on this thread during backward (None outside). Known on torch 2.4.
-current_autograd_node: Callable[[], Node | None] = torch._C._current_autograd_node
+current_autograd_node: Callable[[], Node | None] = _required(
+    torch, "_C._current_autograd_node", "2.4"
+)
 
-_will_engine_execute_node: Callable[[Node], bool] = torch._C._will_engine_execute_node
+_will_engine_execute_node: Callable[[Node], bool] = _required(
+    torch, "_C._will_engine_execute_node", "2.4"
+)
 
 
 def will_engine_execute_node(node: Node) -> bool:
@@ -125,25 +171,52 @@ def will_engine_execute_nodes(nodes: list[Node]) -> int:
 
 
 # The sequence number the next autograd node created on this thread will get. Known on torch 2.4.
-next_sequence_nr: Callable[[], int] = torch._C._autograd._get_sequence_nr
+next_sequence_nr: Callable[[], int] = _required(torch, "_C._autograd._get_sequence_nr", "2.4")
+
+# Every node's own number, ``Node._sequence_nr()`` (declared by torch.autograd.graph.Node and
+# implemented by every C++ and Python node). Known on torch 2.4; checked here, once, on the class.
+_required(Node, "_sequence_nr", "2.4")
+
+
+def sequence_nr(node: Node) -> int:
+    """The number ``node`` took from its thread's counter when autograd created it.
+
+    A node's inputs were made by older nodes, so on one thread they have smaller numbers.
+    """
+    return node._sequence_nr()
+
+
+def is_newest_node(node: Node) -> bool:
+    """Whether ``node`` is the last autograd node created on this thread.
+
+    Pack hooks ask it of a saved tensor's ``grad_fn``: autograd creates a node before saving
+    anything for it, so the saving node is the newest one (see
+    `_guards.is_output_of_saving_node`). Pack hooks call it on their hot path: one Python call
+    around the two counter reads, about 30 ns more per saved tensor than reading them inline.
+    """
+    return node._sequence_nr() == next_sequence_nr() - 1
 
 
 # --- Saved-tensor hooks -----------------------------------------------------------------------
 
 # The thread's default saved-tensor hook stack. Known on torch 2.4.
-push_saved_tensors_hooks: Callable[[Callable[..., Any], Callable[..., Any]], None] = (
-    torch._C._autograd._push_saved_tensors_default_hooks
+push_saved_tensors_hooks: Callable[[Callable[..., Any], Callable[..., Any]], None] = _required(
+    torch, "_C._autograd._push_saved_tensors_default_hooks", "2.4"
 )
-pop_saved_tensors_hooks: Callable[[], None] = torch._C._autograd._pop_saved_tensors_default_hooks
+pop_saved_tensors_hooks: Callable[[], None] = _required(
+    torch, "_C._autograd._pop_saved_tensors_default_hooks", "2.4"
+)
 
 # The switch of disable_saved_tensors_hooks. Known on torch 2.4.
-get_disabled_hooks_message: Callable[[], str | None] = (
-    torch._C._autograd._saved_tensors_hooks_get_disabled_error_message
+get_disabled_hooks_message: Callable[[], str | None] = _required(
+    torch, "_C._autograd._saved_tensors_hooks_get_disabled_error_message", "2.4"
 )
-disable_saved_tensors_hooks_with: Callable[[str], None] = (
-    torch._C._autograd._saved_tensors_hooks_disable
+disable_saved_tensors_hooks_with: Callable[[str], None] = _required(
+    torch, "_C._autograd._saved_tensors_hooks_disable", "2.4"
 )
-enable_saved_tensors_hooks: Callable[[], None] = torch._C._autograd._saved_tensors_hooks_enable
+enable_saved_tensors_hooks: Callable[[], None] = _required(
+    torch, "_C._autograd._saved_tensors_hooks_enable", "2.4"
+)
 
 _HookPair = tuple[Callable[..., Any], Callable[..., Any]]
 
@@ -171,20 +244,61 @@ top_saved_tensors_hooks: Callable[[], _HookPair | None] | None = _find_top_hooks
 # --- Tensors ----------------------------------------------------------------------------------
 
 # Whether two tensors share a storage. Known on torch 2.4; not in torch's stubs.
-is_alias_of: Callable[[torch.Tensor, torch.Tensor], bool] = torch._C._is_alias_of  # type: ignore[attr-defined]
+is_alias_of: Callable[[torch.Tensor, torch.Tensor], bool] = _required(
+    torch, "_C._is_alias_of", "2.4"
+)
+
+
+def storage_key(tensor: torch.Tensor) -> int | None:
+    """The address of ``tensor``'s StorageImpl, equal for every alias; None without a storage.
+
+    ``UntypedStorage._cdata``. Known on torch 2.4, no fallback needed (every supported release
+    has it). Sparse and other storage-less layouts give None.
+    """
+    try:
+        key: int = tensor.untyped_storage()._cdata
+    except (NotImplementedError, RuntimeError):
+        return None
+    return key
 
 
 # --- Dispatch ---------------------------------------------------------------------------------
 
 # The innermost TorchDispatchMode of this thread, or None. Known on torch 2.4.
-current_dispatch_mode: Callable[[], Any] = _get_current_dispatch_mode
+current_dispatch_mode: Callable[[], Any] = _required(
+    _python_dispatch, "_get_current_dispatch_mode", "2.4"
+)
 
 # Thread-local exclusion of a dispatch key. Known on torch 2.4.
-set_dispatch_key_excluded: Callable[[Any, bool], None] = (
-    torch._C._dispatch_tls_set_dispatch_key_excluded
+set_dispatch_key_excluded: Callable[[Any, bool], None] = _required(
+    torch, "_C._dispatch_tls_set_dispatch_key_excluded", "2.4"
 )
-is_dispatch_key_excluded: Callable[[Any], bool] = torch._C._dispatch_tls_is_dispatch_key_excluded
-PYTHON_DISPATCH_KEY: Any = torch._C.DispatchKey.Python
+is_dispatch_key_excluded: Callable[[Any], bool] = _required(
+    torch, "_C._dispatch_tls_is_dispatch_key_excluded", "2.4"
+)
+PYTHON_DISPATCH_KEY: Any = _required(torch, "_C.DispatchKey.Python", "2.4")
+
+
+def op_schema(func: OpOverload) -> Any:
+    """The ``torch._C.FunctionSchema`` of an operator overload: its arguments and alias info.
+
+    ``OpOverload._schema``. Known on torch 2.4; no fallback (every supported release has it).
+    """
+    return func._schema
+
+
+def op_call(func: OpOverload) -> Callable[..., Any]:
+    """What calling ``func`` amounts to, minus the Python frame of ``OpOverload.__call__``.
+
+    ``OpOverload.__call__`` only forwards to ``_op``, the C++ operator, so a handler that runs
+    ``func`` on every operator calls ``_op`` directly. Known on torch 2.4. A subclass of
+    OpOverload (whose ``__call__`` may do more), or a torch without ``_op``, gives ``func``
+    itself: the same result, one frame slower.
+    """
+    if type(func) is OpOverload:
+        call: Callable[..., Any] = getattr(func, "_op", func)
+        return call
+    return func
 
 
 def skip_code_in_dynamo(code: Any) -> bool:
@@ -206,11 +320,31 @@ def skip_code_in_dynamo(code: Any) -> bool:
     return True
 
 
+class UnwrappedDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
+    """A TorchDispatchMode whose subclass may keep its handler out of torch's Dynamo wrapper.
+
+    TorchDispatchMode wraps each subclass's ``__torch_dispatch__`` in ``torch._disable_dynamo``
+    (a Python wrapper that costs about as much per operator as a small handler) unless the
+    class's ``_should_skip_dynamo()`` answers False; torch asks once, when the subclass is
+    created. A subclass sets ``handler_skipped_by_dynamo`` to what `skip_code_in_dynamo` returned
+    for its handler's code: True leaves the wrapper off, False keeps it. The hook is known on
+    torch 2.11 (the oldest release checked); a torch that never asks it wraps or not as it
+    decides, which is correct either way.
+    """
+
+    handler_skipped_by_dynamo = False
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return not cls.handler_skipped_by_dynamo
+
+
 # --- Activation checkpointing (tensorhooks.checkpoint) -----------------------------------------
 
 # Save a tensor the way a node saves one (through the default saved-tensor hooks, with autograd's
-# version check when none are in force) and get it back with ``.unpack()``. Known on torch 2.9;
-# None before, and `_checkpoint` saves region inputs with a no-op autograd Function instead.
+# version check when none are in force) and get it back with ``.unpack()``. First in torch 2.12
+# (pytorch PR 174333, merged February 2026): absent on 2.11, present on 2.13 and 2.15. None
+# before, and `_checkpoint` then packs region inputs through the hooks in force by hand.
 make_saved_tensor: Callable[..., Any] | None = getattr(
     torch._C._autograd, "_make_saved_tensor", None
 )
@@ -270,9 +404,10 @@ def torch_checkpoint_debug_tools() -> tuple[Callable[[], Any], Callable[[Excepti
 def _checkpoint_policy() -> type[enum.Enum]:
     """Torch's ``CheckpointPolicy`` where it has the ``*_CPU_OFFLOAD`` members, else one that does.
 
-    torch 2.8 has the four save / recompute members only; the offload ones come later. On such a
-    release tensorhooks' enum has the same six names (policies are compared by name, so a policy
-    function returning torch's members works with either).
+    torch 2.8 has the four save / recompute members only; the offload ones are known on 2.11 (the
+    floor), so the stand-in is for older releases. There tensorhooks' enum has the same six
+    names (policies are compared by name, so a policy function returning torch's members works
+    with either).
     """
     from torch.utils.checkpoint import CheckpointPolicy as TorchPolicy  # noqa: PLC0415
 

@@ -31,6 +31,7 @@ except ImportError as error:  # pragma: no cover (the test extra installs it)
 
 import torch
 
+from ._errors import TensorHooksError
 from ._saved import saved_tensors_hooks
 from ._testing_programs import Program, SavedOutputExp, Square, programs
 
@@ -49,8 +50,11 @@ ContextFactory = Callable[[], AbstractContextManager[Any]]
 _INPLACE_ERROR = "modified by an inplace operation"
 
 
-class GradientMismatchError(AssertionError):
-    """Hooks or a context changed what backward computes; the message holds the program."""
+class GradientMismatchError(TensorHooksError, AssertionError):
+    """Hooks or a context changed what backward computes; the message holds the program.
+
+    An ``AssertionError``, as a test's failed check is, and a `tensorhooks.TensorHooksError`.
+    """
 
 
 class _Outcome:

@@ -957,9 +957,9 @@ class TestAllowMutationOnSavedTensors:
         assert _mutation._byte_span(make(leaf_4x6()), resizes) == span
 
     def test_handler_is_not_wrapped_by_dynamo_disable(self) -> None:
-        """From torch 2.6 Dynamo skips the handler's code, so the mode calls the plain function."""
+        """From torch 2.7 Dynamo skips the handler's code, so the mode calls the plain function."""
         handler = _mutation._CloneBeforeWriteMode.__dict__["__torch_dispatch__"]
-        if TORCH_VERSION < (2, 6):  # no per-code skip: torch's own wrapper keeps Dynamo out
+        if TORCH_VERSION < (2, 7):  # no per-code skip (skip_code_in_dynamo): torch's wrapper stays
             assert handler is not _mutation._torch_dispatch
             return
         assert _mutation._HANDLER_SKIPPED_BY_DYNAMO, "Dynamo could not be told to skip the handler"

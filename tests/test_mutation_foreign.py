@@ -182,13 +182,25 @@ def test_write_in_recomputation_to_a_recomputed_saved_tensor() -> None:
 
 def test_checkpoint_parameters_can_be_written_after_backward() -> None:
     """Tensors recomputation saved are released with its backward: a later step writes them."""
-    w = torch.randn(4, requires_grad=True)
-    opt = torch.optim.SGD([w], lr=0.1)
-    with tensorhooks.allow_mutation_on_saved_tensors():
+    start = torch.randn(4)
+
+    def train(ctx: tensorhooks.MutationContext | None) -> torch.Tensor:
+        w = start.clone().requires_grad_()
+        opt = torch.optim.SGD([w], lr=0.1)
         for _ in range(2):
             out = torch.utils.checkpoint.checkpoint(
                 lambda h: (h * w).sin(), torch.ones(4), use_reentrant=False
             )
             out.sum().backward()  # type: ignore[union-attr]
-            opt.step()
+            if ctx is not None:
+                assert ctx.num_saved() == 0, "backward left saved tensors held"
+            opt.step()  # writes w, which recomputation saved
             opt.zero_grad()
+        return w.detach()
+
+    expected = train(None)
+    with tensorhooks.allow_mutation_on_saved_tensors() as ctx:
+        got = train(ctx)
+        assert ctx.num_cloned() == 0  # nothing held was written: no clone was needed
+    torch.testing.assert_close(got, expected)
+    assert not torch.equal(got, start)
