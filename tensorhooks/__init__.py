@@ -14,6 +14,7 @@ from ._checkpoint import is_recomputing as is_recomputing
 from ._checkpoint_policy import (
     create_selective_checkpoint_contexts as create_selective_checkpoint_contexts,
 )
+from ._errors import CheckpointArgumentTypeError as CheckpointArgumentTypeError
 from ._errors import CheckpointArgumentValueError as CheckpointArgumentValueError
 from ._errors import GradientSyncError as GradientSyncError
 from ._errors import GraphTaskError as GraphTaskError
@@ -64,6 +65,7 @@ except _metadata.PackageNotFoundError:  # imported from a source tree that was n
 globals().update(_torch_only_names())
 
 __all__ = [
+    "CheckpointArgumentTypeError",
     "CheckpointArgumentValueError",
     "CheckpointError",
     "CheckpointPolicy",

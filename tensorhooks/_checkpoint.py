@@ -1,5 +1,46 @@
 """checkpoint: activation checkpointing on saved-tensor hooks, with its state in the store.
 
+See NOTE [Checkpointing on saved-tensor hooks] below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar, overload
+
+import torch
+from torch.utils.checkpoint import CheckpointError
+
+from ._checkpoint_policy import SelectiveForward, adopt_contexts
+from ._errors import CheckpointArgumentValueError, SavedTensorModifiedError
+from ._guards import (
+    SavedCopy,
+    current_save_guard,
+    modified_error,
+    modified_message,
+    register_protected_pack_hook,
+)
+from ._store import graph_task_store
+from ._torch_compat import (
+    PYTHON_DISPATCH_KEY,
+    current_graph_task_id,
+    is_dispatch_key_excluded,
+    make_saved_tensor,
+    pop_saved_tensors_hooks,
+    push_saved_tensors_hooks,
+    set_dispatch_key_excluded,
+    top_saved_tensors_hooks,
+    torch_checkpoint_debug_override,
+    torch_checkpoint_debug_tools,
+    torch_checkpoint_early_stop_override,
+)
+
+__all__ = ["checkpoint", "is_recomputing", "noop_context_fn"]
+
 # NOTE [Checkpointing on saved-tensor hooks]
 #
 # Inside a region the pack hook keeps no tensor: it returns a `_Holder` (the region's frame and
@@ -53,45 +94,6 @@
 # Both pairs are wrapped by the save guard of the thread that pushes them, like every pair of the
 # toolkit, and registered as protected: the region's pack keeps no tensor data, and the
 # recomputation's does the version check above itself.
-"""
-
-from __future__ import annotations
-
-import contextlib
-import functools
-import threading
-import weakref
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar, overload
-
-import torch
-from torch.utils.checkpoint import CheckpointError
-
-from ._checkpoint_policy import SelectiveForward, adopt_contexts
-from ._errors import CheckpointArgumentValueError, SavedTensorModifiedError
-from ._guards import (
-    SavedCopy,
-    current_save_guard,
-    modified_error,
-    modified_message,
-    register_protected_pack_hook,
-)
-from ._store import graph_task_store
-from ._torch_compat import (
-    PYTHON_DISPATCH_KEY,
-    current_graph_task_id,
-    is_dispatch_key_excluded,
-    make_saved_tensor,
-    pop_saved_tensors_hooks,
-    push_saved_tensors_hooks,
-    set_dispatch_key_excluded,
-    top_saved_tensors_hooks,
-    torch_checkpoint_debug_override,
-    torch_checkpoint_debug_tools,
-    torch_checkpoint_early_stop_override,
-)
-
-__all__ = ["checkpoint", "is_recomputing", "noop_context_fn"]
 
 _R = TypeVar("_R")
 
@@ -301,7 +303,7 @@ def _save_inputs(tensors: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]
     if make_saved_tensor is not None:
         saved = [make_saved_tensor(tensor, is_output=False) for tensor in tensors]
         return lambda: [item.unpack() for item in saved]
-    # Releases before 2.9: do what a node's SavedVariable does, by hand.
+    # Releases before 2.12: do what a node's SavedVariable does, by hand.
     top = top_saved_tensors_hooks() if top_saved_tensors_hooks is not None else None
     if top is not None:
         pack, unpack = top

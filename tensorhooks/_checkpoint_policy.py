@@ -1,5 +1,37 @@
 """Selective checkpointing: a policy decides, per op, to save, recompute or offload its output.
 
+See NOTE [Selective checkpointing in eager mode] below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointError, SelectiveCheckpointContext
+
+from ._errors import CheckpointArgumentTypeError, CheckpointArgumentValueError
+from ._guards import PackHook, UnpackHook, current_save_guard
+from ._offload import save_on_cpu
+from ._torch_compat import (
+    CheckpointPolicy,
+    OpOverload,
+    TorchDispatchMode,
+    include_inplace_or_view_key,
+    torch_selective_checkpoint_modes,
+)
+
+__all__ = [
+    "SelectiveForward",
+    "SelectiveRecompute",
+    "adopt_contexts",
+    "create_selective_checkpoint_contexts",
+]
+
 # NOTE [Selective checkpointing in eager mode]
 #
 # Two dispatch modes share one `_Plan`. In the forward pass `_SelectiveForward` runs every op,
@@ -21,36 +53,6 @@
 #
 # The detached aliases matter for memory too: an op's output carries a ``grad_fn`` once the op
 # returns, and that node keeps the region's saved-tensor holders, which keep the plan.
-"""
-
-from __future__ import annotations
-
-import contextlib
-import enum
-import threading
-from collections.abc import Callable, Sequence
-from typing import Any
-
-import torch
-from torch.utils.checkpoint import CheckpointError, SelectiveCheckpointContext
-
-from ._errors import CheckpointArgumentValueError, InvalidHookArgumentError
-from ._guards import PackHook, UnpackHook, current_save_guard
-from ._offload import save_on_cpu
-from ._torch_compat import (
-    CheckpointPolicy,
-    OpOverload,
-    TorchDispatchMode,
-    include_inplace_or_view_key,
-    torch_selective_checkpoint_modes,
-)
-
-__all__ = [
-    "SelectiveForward",
-    "SelectiveRecompute",
-    "adopt_contexts",
-    "create_selective_checkpoint_contexts",
-]
 
 PolicyFn = Callable[..., Any]
 
@@ -182,7 +184,7 @@ class _Plan:
         elif name in _RECOMPUTE:
             entries.append(None)
         else:
-            raise InvalidHookArgumentError(
+            raise CheckpointArgumentTypeError(
                 f"selective checkpoint: the policy returned {policy!r} of type "
                 f"{type(policy).__name__} for {func}; return a CheckpointPolicy or a bool"
             )
@@ -321,7 +323,7 @@ def create_selective_checkpoint_contexts(
     Raises:
         CheckpointArgumentValueError: if the list holds something other than an ``OpOverload``
             (a ``ValueError``).
-        InvalidHookArgumentError: if ``policy_fn_or_list`` is neither callable nor a list, or
+        CheckpointArgumentTypeError: if ``policy_fn_or_list`` is neither callable nor a list, or
             ``offload`` is not a `save_on_cpu` (a ``TypeError``).
 
     Nesting and threads: build one pair per `checkpoint` call (a ``functools.partial`` as
@@ -345,14 +347,14 @@ def create_selective_checkpoint_contexts(
     elif callable(policy_fn_or_list):
         policy_fn = policy_fn_or_list
     else:
-        raise InvalidHookArgumentError(
+        raise CheckpointArgumentTypeError(
             "create_selective_checkpoint_contexts: policy_fn_or_list must be a function or a "
             f"list of ops, got {policy_fn_or_list!r} of type {type(policy_fn_or_list).__name__}"
         )
     if offload is None:
         offload = _DEFAULT_OFFLOAD
     elif not isinstance(offload, save_on_cpu):
-        raise InvalidHookArgumentError(
+        raise CheckpointArgumentTypeError(
             f"create_selective_checkpoint_contexts: offload must be a tensorhooks.save_on_cpu, "
             f"got {offload!r} of type {type(offload).__name__}"
         )

@@ -16,7 +16,9 @@ same situation, so code written against ``torch.autograd.graph`` (``except Runti
 * ``allow_mutation_on_saved_tensors``, backward after the context exited:
   `MutationContextExitedError` (``RuntimeError`` and ``AssertionError``); a write under torch's
   own hooks: `UnguardedHooksError` (``RuntimeError``).
-* ``checkpoint``, an option it does not take: `CheckpointArgumentValueError` (``ValueError``).
+* ``checkpoint``, an option it does not take: `CheckpointArgumentValueError` (``ValueError``);
+  a selective-checkpoint argument or policy answer of the wrong type:
+  `CheckpointArgumentTypeError` (``TypeError``).
 * ``offload_parameters``, an argument of the wrong type: `ParameterOffloadTypeError`
   (``TypeError``); blocks or options it cannot work with: `ParameterOffloadValueError`
   (``ValueError``); no accelerator to stream to: `ParameterOffloadDeviceError` (``RuntimeError``).
@@ -36,6 +38,7 @@ Earlier names stay importable as aliases of the same classes: ``InvalidHookArgum
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointArgumentTypeError",
     "CheckpointArgumentValueError",
     "GradientSyncError",
     "GraphTaskError",
@@ -188,6 +191,15 @@ InvalidHookArgumentError = HookArgumentTypeError
 InvalidHookModeError = HookArgumentValueError
 InvalidOffloadOptionError = OffloadArgumentValueError
 InvalidSyncArgumentError = SyncArgumentValueError
+
+
+class CheckpointArgumentTypeError(TensorHooksError, TypeError):
+    """A selective-checkpoint argument or policy answer of the wrong type.
+
+    Such as a policy that is neither a function nor a list of ops, an ``offload`` that is not a
+    `save_on_cpu`, or a policy function returning something other than a ``CheckpointPolicy`` or
+    a bool. Inherits `TypeError`, what torch raises for arguments of the wrong type.
+    """
 
 
 class CheckpointArgumentValueError(TensorHooksError, ValueError):

@@ -915,7 +915,7 @@ def test_selective_mismatch_raises_checkpoint_error() -> None:
     ("argument", "error", "message"),
     [
         ([aten.mm], tensorhooks.CheckpointArgumentValueError, "expected OpOverloads"),
-        (3, tensorhooks.InvalidHookArgumentError, "a function or a list"),
+        (3, tensorhooks.CheckpointArgumentTypeError, "a function or a list"),
     ],
 )
 def test_selective_contexts_reject_bad_policies(
@@ -931,13 +931,13 @@ def test_policy_returning_garbage_raises() -> None:
     context_fn = functools.partial(
         tensorhooks.create_selective_checkpoint_contexts, lambda *a, **k: "save"
     )
-    with pytest.raises(tensorhooks.InvalidHookArgumentError, match="return a CheckpointPolicy"):
+    with pytest.raises(tensorhooks.CheckpointArgumentTypeError, match="return a CheckpointPolicy"):
         checkpoint(torch.sin, _input(), context_fn=context_fn)
 
 
 def test_offload_must_be_save_on_cpu() -> None:
     """offload= takes a tensorhooks.save_on_cpu."""
-    with pytest.raises(tensorhooks.InvalidHookArgumentError, match="save_on_cpu"):
+    with pytest.raises(tensorhooks.CheckpointArgumentTypeError, match="save_on_cpu"):
         tensorhooks.create_selective_checkpoint_contexts([], offload=object())  # type: ignore[arg-type]
 
 
