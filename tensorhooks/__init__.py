@@ -28,6 +28,7 @@ from ._errors import MutationContextExitedError as MutationContextExitedError
 from ._errors import OffloadArgumentValueError as OffloadArgumentValueError
 from ._errors import OffloadCaptureError as OffloadCaptureError
 from ._errors import ParameterOffloadDeviceError as ParameterOffloadDeviceError
+from ._errors import ParameterOffloadStateError as ParameterOffloadStateError
 from ._errors import ParameterOffloadTypeError as ParameterOffloadTypeError
 from ._errors import ParameterOffloadValueError as ParameterOffloadValueError
 from ._errors import SavedTensorModifiedError as SavedTensorModifiedError
@@ -87,6 +88,7 @@ __all__ = [
     "OffloadStats",
     "ParameterOffloadDeviceError",
     "ParameterOffloadHandle",
+    "ParameterOffloadStateError",
     "ParameterOffloadTypeError",
     "ParameterOffloadValueError",
     "ParameterTransfer",

@@ -198,6 +198,9 @@ def _write_scaled(out: torch.Tensor, grad: torch.Tensor | None, scale: float) ->
         out.zero_()
     elif scale == 1.0:
         out.copy_(grad)
+    elif grad.device != out.device:
+        # A host .grad (offload_parameters) into a device buffer: same rounding, one multiply.
+        out.copy_(grad).mul_(scale)
     else:
         # One pass, as DistributedDataParallel's reducer divides while copying into its bucket.
         torch.mul(grad, scale, out=out)

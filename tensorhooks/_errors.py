@@ -21,7 +21,9 @@ same situation, so code written against ``torch.autograd.graph`` (``except Runti
   `CheckpointArgumentTypeError` (``TypeError``).
 * ``offload_parameters``, an argument of the wrong type: `ParameterOffloadTypeError`
   (``TypeError``); blocks or options it cannot work with: `ParameterOffloadValueError`
-  (``ValueError``); no accelerator to stream to: `ParameterOffloadDeviceError` (``RuntimeError``).
+  (``ValueError``); no accelerator to stream to: `ParameterOffloadDeviceError` (``RuntimeError``);
+  backward over a graph built before the handle was removed: `ParameterOffloadStateError`
+  (``RuntimeError``).
 * ``sync_gradients``, an argument of the wrong type: `SyncArgumentTypeError` (``TypeError``); a
   value it cannot use: `SyncArgumentValueError` (``ValueError``); synchronisation failed in
   backward: `GradientSyncError` (``RuntimeError``).
@@ -52,6 +54,7 @@ __all__ = [
     "OffloadArgumentValueError",
     "OffloadCaptureError",
     "ParameterOffloadDeviceError",
+    "ParameterOffloadStateError",
     "ParameterOffloadTypeError",
     "ParameterOffloadValueError",
     "SavedTensorModifiedError",
@@ -176,6 +179,14 @@ class ParameterOffloadTypeError(TensorHooksError, TypeError):
 
     Such as a module that is not an ``nn.Module``, or a block that is not one. Inherits
     `TypeError`, like torch's argument checks.
+    """
+
+
+class ParameterOffloadStateError(TensorHooksError, RuntimeError):
+    """Backward reached a graph built under `tensorhooks.offload_parameters` after ``remove()``.
+
+    The handle's hooks are gone, so nothing would bring the parameters back or move their
+    gradients. Inherits `RuntimeError`, what autograd raises for a graph it can no longer run.
     """
 
 

@@ -1,44 +1,12 @@
 """offload_parameters: a model's parameters live in host memory and visit the device per block.
 
-# NOTE [Streaming parameters with hooks]
-#
-# Every parameter and buffer of a block is one *slot*: the tensor object the model holds (the
-# same ``nn.Parameter`` from start to end), a host tensor that is the one true value, and a
-# count of the blocks holding it on the device. *Holding* a block installs device copies
-# (``tensor.data = copy``); when no block holds a slot any more, ``tensor.data = host`` again.
-# Device copies of parameters are only ever read, so releasing one needs no copy back; buffers
-# (running statistics) are copied back. Holders are owners: the block's running
-# forward, or a backward call (graph task).
-#
-# Forward. A block's pre-forward hook holds it and *stages* the next ``prefetch`` blocks (starts
-# their copies; staged copies are not installed, so a parameter changed on the host before its
-# block runs is copied again: the stage remembers the parameter's version). The post-forward hook
-# (always called, also when forward raises) drops the hold. While a block runs, a pair of
-# saved-tensor hooks is pushed: a tensor saved for backward that is a slot, a view of one, or a
-# dtype cast of a parameter (autocast) is replaced by a placeholder holding no device memory;
-# every other tensor goes to the pair that was innermost before (``save_on_cpu``), so activations
-# can be offloaded too. Without the placeholder the graph would keep the parameter *object*, whose
-# ``.data`` is the host tensor by the time backward runs.
-#
-# Backward. The first unpack of a placeholder of a block in a graph task, or the first gradient
-# reaching one of its parameters, makes the task hold the block (and stage the blocks before it).
-# A tensor hook on each parameter, which runs before autograd accumulates, sets aside a host
-# ``.grad`` left by an earlier backward (accumulation must not mix devices); a post-accumulate
-# hook starts copying the new gradient to the host and clears the device one. An ``"all"``
-# multi-grad hook on the block's parameters tells when every gradient of the block that this
-# backward computes has arrived; once those are accumulated too, the task drops the block. At the
-# successful end of the task the host gradients land in ``.grad`` (added to what was set aside);
-# when backward fails, the task's holds are dropped and the set-aside gradients restored, so a
-# failed backward changes nothing. All of it lives in the graph-task store.
-#
-# Autograd checks a gradient's device against what its gradient accumulator recorded when it was
-# created. The accumulators of the streamed parameters are therefore created once while the
-# parameters are on the device, and kept alive (by the multi-grad hooks) until ``remove()``.
+See NOTE [Streaming parameters with hooks] below.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -49,7 +17,9 @@ from torch import nn
 from torch.autograd.graph import Node
 from torch.utils.hooks import RemovableHandle
 
+from ._errors import ParameterOffloadStateError
 from ._guards import SavedCopy, is_output_of_saving_node, modified_error
+from ._late_grads import LANDING_ORDER, LateGrads
 from ._multigrad import register_multi_grad_hook
 from ._params_setup import Block, Slot, build_blocks, resolve_transfer
 from ._params_transfer import ParameterTransfer
@@ -63,6 +33,53 @@ from ._torch_compat import (
 )
 
 __all__ = ["ParameterOffloadHandle", "offload_parameters"]
+
+# NOTE [Streaming parameters with hooks]
+#
+# Every parameter and buffer of a block is one *slot*: the tensor object the model holds (the
+# same ``nn.Parameter`` from start to end), a host tensor that is the one true value, and a
+# count of the blocks holding it on the device. *Holding* a block installs device copies
+# (``tensor.data = copy``); when no block holds a slot any more, ``tensor.data = host`` again.
+# Device copies of parameters are only ever read, so releasing one needs no copy back; buffers
+# (running statistics) are copied back. Holders are owners: the block's running
+# forward, or a backward call (graph task).
+#
+# Forward. A block's pre-forward hook holds it and *stages* the next ``prefetch`` blocks (starts
+# their copies; staged copies are not installed, so a parameter changed on the host before its
+# block runs is copied again: the stage remembers the parameter's version). The post-forward hook
+# (always called, also when forward raises) drops the hold; when forward raised, the blocks it
+# staged will not run next, so their staged copies are dropped too. So is every staged copy when
+# the model's forward ends, returning or raising (backward stages its own). While a block runs, a
+# pair of saved-tensor hooks is pushed: a tensor saved for backward that is a slot, a view of one,
+# or a dtype cast of a parameter (autocast) is replaced by a placeholder holding no device memory;
+# every other tensor goes to the pair that was innermost before (``save_on_cpu``), so activations
+# can be offloaded too. Without the placeholder the graph would keep the parameter *object*, whose
+# ``.data`` is the host tensor by the time backward runs.
+#
+# Backward. The first unpack in a graph task of anything saved while a block ran (a placeholder,
+# an activation, the inputs of a `checkpoint` region, which its recomputation unpacks before it
+# reads the weights from the module), or the first gradient reaching one of its parameters, makes
+# the task hold the block (and stage the blocks before it); an activation unpacked after all of
+# the block's gradients arrived does not bring it back. A tensor hook on each parameter, which
+# runs before autograd accumulates, sets aside a host ``.grad`` left by an earlier backward
+# (accumulation must not mix devices); a post-accumulate hook starts copying the new gradient to
+# the host and clears the device one. An ``"all"`` multi-grad hook on the block's parameters tells
+# when every gradient of the block that this backward computes has arrived; once those are
+# accumulated too, the task drops the block. At the successful end of the task the host gradients
+# land in ``.grad`` (added to what was set aside), in an end callback of order
+# `_late_grads.LANDING_ORDER`: the parameters are registered there, so that what reads ``.grad``
+# during backward (`sync_gradients`) reads it after that instead. When backward fails, the task's
+# holds are dropped and the set-aside gradients restored, so a failed backward changes nothing.
+# All of it lives in the graph-task store.
+#
+# Autograd checks a gradient's device against what its gradient accumulator recorded when it was
+# created. The accumulators of the streamed parameters are therefore created once while the
+# parameters are on the device, and kept alive (by the multi-grad hooks) until ``remove()``.
+#
+# After ``remove()`` a graph built under the handle cannot be used: its gradients would reach
+# accumulators expecting the streaming device and no hook would move them to where the parameters
+# were put back, and holding a block would install copies over the restored data. The first unpack
+# of anything saved inside a block of such a graph raises instead, before anything changes.
 
 _FORWARD = "forward"  # owner of the hold a block's running forward takes
 _SETUP = "setup"  # owner of the hold taken while accumulators are created
@@ -141,6 +158,7 @@ class _Streamer:
         self.key = object()
         self.slots: dict[int, Slot] = {id(s.tensor): s for b in blocks for s in b.slots}
         self.accumulators: dict[int, Node] = {}
+        self.removed = False  # set by the handle's remove(): see NOTE [Streaming parameters ...]
         self._pushed = threading.local()
 
     # --- residency ----------------------------------------------------------------------------
@@ -196,6 +214,14 @@ class _Streamer:
             slot.host.copy_(tensor.data)
         tensor.data = slot.host
 
+    def unstage(self, indexes: range) -> None:
+        """Drop the staged copies of the blocks at ``indexes`` (those past the end are skipped)."""
+        with self.lock:
+            for block in self.blocks[indexes.start : indexes.stop]:
+                for slot in block.slots:
+                    slot.staged = slot.staged_token = None
+                    slot.staged_version = -1
+
     def discard_staged(self, keep: range) -> None:
         """Drop staged copies of blocks outside ``keep`` (indexes), unless a kept block has them."""
         kept = {id(s) for i in keep if 0 <= i < len(self.blocks) for s in self.blocks[i].slots}
@@ -235,18 +261,29 @@ class _Streamer:
             context.__enter__()
         stack.append(context)
 
-    def post_forward(self, block: Block) -> None:
+    def post_forward(self, block: Block, output: Any) -> None:
         """Pop the pair, drop the block's forward hold, drop autocast's casts of its weights."""
         context = self._pushed.stack.pop()
         if context is not None:
             context.__exit__(None, None, None)
         self.drop(block, _FORWARD)
+        if output is None and sys.exc_info()[1] is not None and current_graph_task_id() == -1:
+            # The forward raised (torch calls an always-called hook from its ``except`` block,
+            # with no output): the blocks staged for what came next will not run now.
+            self.unstage(range(block.index + 1, block.index + self.prefetch + 1))
+
+    def post_model_forward(self) -> None:
+        """The model's forward returned or raised: no block runs before the next one starts."""
+        if current_graph_task_id() == -1:  # not a checkpoint's recomputation in backward
+            with self.lock:
+                self.discard_staged(range(0))
         if torch.is_autocast_enabled(self.transfer.device.type):
             torch.clear_autocast_cache()  # its casts of the block's weights are device memory
 
     def _saved_pair(self, block: Block) -> saved_tensors_hooks:
         outer = top_saved_tensors_hooks() if top_saved_tensors_hooks is not None else None
         find = self._find
+        unpack_saved = self._unpack
 
         def pack(tensor: torch.Tensor) -> Any:
             found = find(tensor)
@@ -258,7 +295,10 @@ class _Streamer:
                 return _Outer(outer[0](tensor), outer[1])
             return tensor.detach() if is_output_of_saving_node(tensor) else tensor
 
-        return saved_tensors_hooks(pack, self._unpack)
+        def unpack(packed: Any) -> torch.Tensor:
+            return unpack_saved(block, packed)
+
+        return saved_tensors_hooks(pack, unpack)
 
     def _find(self, tensor: torch.Tensor) -> tuple[Slot, Any] | None:
         """The slot ``tensor`` is, views or (for a cast) was made from, and the cast's dtype."""
@@ -277,11 +317,28 @@ class _Streamer:
             return None
         return slot, base.dtype
 
-    def _unpack(self, packed: Any) -> torch.Tensor:
+    def _unpack(self, block: Block, packed: Any) -> torch.Tensor:
+        """Unpack what the pair of ``block`` packed; see NOTE [Streaming parameters with hooks]."""
+        if self.removed:
+            raise ParameterOffloadStateError(_REMOVED_MESSAGE)
+        if type(packed) is _Placeholder:
+            return self._unpack_placeholder(packed)
+        if current_graph_task_id() != -1:
+            self._activation_unpacked(block)
         if type(packed) is _Outer:
             return packed.unpack(packed.packed)
-        if type(packed) is not _Placeholder:
-            return packed  # type: ignore[no-any-return]  # a tensor pack kept as it was
+        return packed  # type: ignore[no-any-return]  # a tensor pack kept as it was
+
+    def _activation_unpacked(self, block: Block) -> None:
+        """Hold ``block`` for the running task, unless it holds it or has all its gradients."""
+        data = self.task()
+        if block.index in data.held:
+            return
+        progress = data.progress.get(block.index)
+        if progress is None or not progress.fired or progress.awaiting:
+            self.backward_hold(block)
+
+    def _unpack_placeholder(self, packed: _Placeholder) -> torch.Tensor:
         slot = packed.slot
         if slot.tensor._version != packed.version:
             raise modified_error(slot.tensor, packed.version)
@@ -302,8 +359,9 @@ class _Streamer:
         shell = state.claim(self.key, candidate)
         if shell is candidate:
             weakref.finalize(shell, self._abandon, shell.data).atexit = False
-            # After the multi-grad hooks' own end-of-task flush (order 0).
-            state.on_end(functools.partial(self._finish, shell.data), order=1)
+            # After the multi-grad hooks' own end-of-task flush (order 0); what reads the landed
+            # .grad (sync_gradients) runs after it. See _late_grads.
+            state.on_end(functools.partial(self._finish, shell.data), order=LANDING_ORDER)
         return shell.data
 
     def backward_hold(self, block: Block) -> None:
@@ -421,10 +479,12 @@ class _Streamer:
 
     # --- setup --------------------------------------------------------------------------------
 
-    def register(self) -> list[RemovableHandle]:
+    def register(self, model: nn.Module) -> list[RemovableHandle]:
         """Create the accumulators on the device and register every hook; return the handles."""
         handles: list[RemovableHandle] = []
         try:
+            hook = model.register_forward_hook
+            handles.append(hook(lambda *_: self.post_model_forward(), always_call=True))
             self._register(handles)
         except BaseException:
             for handle in handles:
@@ -438,7 +498,7 @@ class _Streamer:
             handles += [
                 block.module.register_forward_pre_hook(lambda _m, _a, b=block: self.pre_forward(b)),
                 block.module.register_forward_hook(
-                    lambda _m, _a, _o, b=block: self.post_forward(b), always_call=True
+                    lambda _m, _a, o, b=block: self.post_forward(b, o), always_call=True
                 ),
             ]
             if not block.grad_params:
@@ -460,6 +520,14 @@ class _Streamer:
                 self.drop(block, _SETUP)
 
 
+_REMOVED_MESSAGE = (
+    "offload_parameters: backward (or grad_fn._saved_*) needs a tensor saved inside a streamed "
+    "block, but this graph was built while the parameters were offloaded, and handle.remove() "
+    "was called since; run backward before remove(), or drop this graph and run the forward "
+    "again after remove() (plain autograd then)"
+)
+
+
 def _accumulator(param: nn.Parameter) -> Node:
     """The parameter's gradient accumulator (created now if no graph holds one)."""
     with torch.enable_grad():
@@ -478,17 +546,22 @@ class ParameterOffloadHandle:
     def __init__(self, streamer: _Streamer, handles: list[RemovableHandle]) -> None:
         self._streamer: _Streamer | None = streamer
         self._handles = handles
+        self._late = LateGrads(p for b in streamer.blocks for p in b.grad_params)
         self.blocks: tuple[nn.Module, ...] = tuple(b.module for b in streamer.blocks)
         self.device: torch.device = streamer.transfer.device
 
     def remove(self) -> None:
         """Put every parameter and buffer back where it was, with its ``.grad``; unhook.
 
-        Call it outside forward and backward. Calling it again does nothing.
+        Call it outside forward and backward. Calling it again does nothing. A graph built
+        before cannot be used for backward any more (it raises `ParameterOffloadStateError`):
+        run backward first, or drop the graph and run forward again.
         """
         streamer, self._streamer = self._streamer, None
         if streamer is None:
             return
+        streamer.removed = True
+        self._late.remove()
         for handle in self._handles:
             handle.remove()
         with streamer.lock:
@@ -548,7 +621,10 @@ def offload_parameters(
             listed twice or inside another, no blocks, or a negative ``prefetch`` (a
             ``ValueError``).
         ParameterOffloadDeviceError: when no CUDA device is available (a ``RuntimeError``).
-        TypeError: when ``module`` or a block is not an ``nn.Module``.
+        ParameterOffloadTypeError: when ``module`` or a block is not an ``nn.Module`` (a
+            ``TypeError``).
+        ParameterOffloadStateError: in backward, over a graph built before ``remove()`` (a
+            ``RuntimeError``).
 
     Threads: one forward or backward of the model at a time. Parameters used outside the
     forward of a block that holds them are on the host then.
@@ -558,7 +634,7 @@ def offload_parameters(
     for slot in streamer.slots.values():
         slot.offload(streamer.transfer)
     try:
-        handles = streamer.register()
+        handles = streamer.register(module)
     except BaseException:
         for slot in streamer.slots.values():
             slot.restore()

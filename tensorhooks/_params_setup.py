@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from ._errors import (
-    InvalidHookArgumentError,
     ParameterOffloadDeviceError,
+    ParameterOffloadTypeError,
     ParameterOffloadValueError,
 )
 from ._params_transfer import CudaTransfer, ParameterTransfer
@@ -112,7 +112,7 @@ def _check_blocks(module: nn.Module, blocks: list[nn.Module]) -> None:
     seen: dict[int, int] = {}
     for index, block in enumerate(blocks):
         if not isinstance(block, nn.Module):
-            raise InvalidHookArgumentError(
+            raise ParameterOffloadTypeError(
                 f"offload_parameters: blocks[{index}] is {block!r} of type "
                 f"{type(block).__name__}, not an nn.Module; pass submodules of the model"
             )
@@ -144,7 +144,7 @@ def build_blocks(
 ) -> list[Block]:
     """Check the arguments and build the blocks, one slot per distinct parameter or buffer."""
     if not isinstance(module, nn.Module):
-        raise InvalidHookArgumentError(
+        raise ParameterOffloadTypeError(
             f"offload_parameters: module must be an nn.Module, got {module!r} of type "
             f"{type(module).__name__}"
         )

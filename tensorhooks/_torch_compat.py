@@ -15,6 +15,7 @@ except `make_saved_tensor` (from 2.12; its fallback runs on 2.11). See docs/torc
 from __future__ import annotations
 
 import enum
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -231,7 +232,9 @@ def _find_top_hooks() -> Callable[[], _HookPair | None] | None:
         top(False)
     except TypeError:  # a reader without the argument (none known: 2.8 to 2.15 all take it)
         return top
-    return lambda: top(False)
+    # A partial of a builtin is called without a Python frame: this runs once per autograd node
+    # created under allow_mutation_on_saved_tensors.
+    return functools.partial(top, False)
 
 
 # The innermost (pack, unpack) pair pushed on this thread, or None. Known on torch 2.8, whose

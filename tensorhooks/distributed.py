@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ._buckets import MIB, Bucket, assign_buckets
 from ._errors import GradientSyncError, SyncArgumentTypeError, SyncArgumentValueError
+from ._late_grads import LANDING_ORDER, generation, lands_late
 from ._multigrad import register_multi_grad_hook
 from ._store import GraphTaskState, graph_task_store
 from ._torch_compat import (
@@ -79,6 +80,16 @@ __all__ = ["GradientSyncHandle", "sync_gradients"]
 # still not ready at the end of the task (never fired) are filled from ``.grad`` and launched
 # before waiting.
 #
+# Gradients that land late: a parameter streamed by ``offload_parameters`` has no ``.grad`` while
+# backward runs (its post-accumulate hook moves the gradient to the host and writes ``.grad`` at
+# the end of the graph task, see NOTE [Streaming parameters with hooks] in _params.py). A bucket
+# holding such a parameter (`_late_grads.lands_late`, asked when a step opens) is not filled
+# when it completes: the step notes which of its parameters got a gradient
+# (``_SyncStep.landing``), and the end-of-task callback, which runs after the one landing those
+# gradients (a greater ``order``), fills it from the landed ``.grad`` before launching in order.
+# The average is then written into the host ``.grad``, as DDP averages ``.grad`` after
+# accumulation; communication of such buckets does not overlap backward.
+#
 # Failure: a backward that raises never runs the end-of-task callback. What it launched stays
 # with the handle (``_active``); the next synchronised backward, or ``remove()``, sees that the
 # graph task is gone from the store, waits for those works (every rank that failed the same way
@@ -99,6 +110,8 @@ class _SyncStep:
     __slots__ = (
         "accumulates",
         "idle",
+        "landing",
+        "late",
         "lock",
         "next",
         "ready",
@@ -108,8 +121,12 @@ class _SyncStep:
         "works",
     )
 
-    def __init__(self, task_id: int, buckets: int, sync: bool, accumulates: bool) -> None:
+    def __init__(
+        self, task_id: int, buckets: int, sync: bool, accumulates: bool, late: tuple[bool, ...]
+    ) -> None:
         self.task_id = task_id
+        self.late = late  # buckets filled at the end of the task: see NOTE [What a bucket ...]
+        self.landing: dict[int, list[bool]] = {}  # late bucket -> which parameters got a grad
         self.sync = sync
         self.accumulates = accumulates  # False for torch.autograd.grad, which leaves .grad alone
         self.scan_pending = sync  # the buckets that will not run are yet to be marked ready
@@ -158,6 +175,7 @@ class GradientSyncHandle:
         self._active: _SyncStep | None = None
         self._params = tuple(params)
         self._deferred: list[_Deferred | None] = [None] * len(self._buckets)
+        self._late: tuple[int, tuple[bool, ...]] = (-1, ())  # (generation, per bucket)
         # Graph tasks in which an accumulator of these parameters ran, possibly ended (an
         # insertion-ordered set, pruned when a backward call opens its step).
         self._touched: dict[int, None] = {}
@@ -269,11 +287,14 @@ class GradientSyncHandle:
                 bucket.note_used(grads)
             return
         with step.lock:
-            if step.ready[index]:
+            if step.ready[index] or index in step.landing:
                 raise GradientSyncError(
                     f"sync_gradients: bucket {index} completed twice in one backward call "
                     f"(graph task {task.task_id}); this is a bug in tensorhooks, please report it"
                 )
+            if step.late[index]:  # filled once .grad has landed: see NOTE [What a bucket ...]
+                step.landing[index] = [grad is not None for grad in grads]
+                return
         node = current_autograd_node()
         position = None if node is None else bucket.position_of_node.get(id(node))
         if position is not None:
@@ -301,7 +322,7 @@ class GradientSyncHandle:
         """Start the per-backward state at the first bucket to complete (under ``task.lock``)."""
         accumulates = not _captured(self._buckets[index], grads)
         sync = accumulates and self._no_sync_depth == 0
-        step = _SyncStep(task.task_id, len(self._buckets), sync, accumulates)
+        step = _SyncStep(task.task_id, len(self._buckets), sync, accumulates, self._late_buckets())
         outer = self._other_live_task(task.task_id)
         if not sync:
             return step
@@ -311,9 +332,19 @@ class GradientSyncHandle:
             self._finish_abandoned()
             self._active = step
         # The callback must not hold the task: the task holds its callbacks, and a cycle would
-        # keep this backward's state (buffered gradients included) alive until the next GC.
-        task.on_end(functools.partial(self._end_step, step), order=1)
+        # keep this backward's state (buffered gradients included) alive until the next GC. It
+        # runs after the multi-grad hooks' flush (order 0) and after late gradients land.
+        task.on_end(functools.partial(self._end_step, step), order=LANDING_ORDER + 1)
         return step
+
+    def _late_buckets(self) -> tuple[bool, ...]:
+        """Which buckets hold a parameter whose ``.grad`` lands at the end of the task."""
+        now = generation()
+        known, late = self._late
+        if known != now:
+            late = tuple(any(map(lands_late, bucket.params)) for bucket in self._buckets)
+            self._late = (now, late)
+        return late
 
     def _other_live_task(self, task_id: int) -> int | None:
         """A graph task other than ``task_id`` that ran an accumulator of ours and is running.
@@ -361,6 +392,13 @@ class GradientSyncHandle:
     def _end_step(self, step: _SyncStep) -> None:
         """At the end of a synchronised backward: launch what is left, wait, write ``.grad``."""
         with step.lock, torch.no_grad():
+            for index, used in step.landing.items():
+                bucket = self._buckets[index]
+                grads = [
+                    p.grad if got else None for p, got in zip(bucket.params, used, strict=True)
+                ]
+                step.idle[index] = bucket.fill(grads, self._scale)
+                step.ready[index] = True
             for index, bucket in enumerate(self._buckets):
                 if not step.ready[index]:
                     bucket.fill_idle(self._scale)

@@ -48,6 +48,14 @@ class HostCloneTransfer:
     def synchronize(self, token: object) -> None:
         pass
 
+    def is_device_copy(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` (or what it views) is a live "device" copy, not a host tensor."""
+        storage = tensor.untyped_storage()
+        return any(
+            (copy := ref()) is not None and copy.data_ptr() == storage.data_ptr()
+            for _, ref in self._copies
+        )
+
     def alive(self) -> set[int]:
         """``data_ptr()`` of every host tensor that has a "device" copy alive now."""
         self._copies = [(key, ref) for key, ref in self._copies if ref() is not None]

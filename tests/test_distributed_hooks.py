@@ -19,9 +19,16 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from tensorhooks import GradientSyncError, SyncArgumentTypeError, SyncArgumentValueError
-from tensorhooks.distributed import sync_gradients
+from tensorhooks import (
+    GradientSyncError,
+    ParameterOffloadHandle,
+    SyncArgumentTypeError,
+    SyncArgumentValueError,
+    offload_parameters,
+)
+from tensorhooks.distributed import GradientSyncHandle, sync_gradients
 
+from .params_device import HostCloneTransfer
 from .test_distributed import (
     TOLERANCE,
     WORLD_SIZE,
@@ -190,10 +197,53 @@ def _scenario_reentrant(rank: int) -> dict[str, Any]:
     return {**report, "refused": refused, "inside_max_diff": inside}
 
 
+def _offload_and_sync(
+    model: nn.Module, *, offload_first: bool
+) -> tuple[ParameterOffloadHandle, GradientSyncHandle]:
+    """Stream ``model``'s parameters (host-clone device) and synchronise them, in either order."""
+    if offload_first:
+        offloaded = offload_parameters(model, transfer=HostCloneTransfer())
+        return offloaded, sync_gradients(model, bucket_cap_mb=0.002)
+    synced = sync_gradients(model, bucket_cap_mb=0.002)
+    return offload_parameters(model, transfer=HostCloneTransfer()), synced
+
+
+def _scenario_offloaded(rank: int) -> dict[str, Any]:
+    """offload_parameters + sync_gradients, both orders, against DDP on a resident model."""
+    report = {"max_diff": 0.0, "none_mismatch": 0, "max_grad": 0.0, "compared": 0}
+    for offload_first in (True, False):
+        torch.manual_seed(0)
+        ours = Net().double()
+        ddp = DistributedDataParallel(
+            copy.deepcopy(ours), find_unused_parameters=True, bucket_cap_mb=0.002
+        )
+        offloaded, synced = _offload_and_sync(ours, offload_first=offload_first)
+        for step in range(3):
+            if step == 1:  # a local step first: the next one averages the accumulated sum
+                with synced.no_sync(), ddp.no_sync():
+                    ours(_batch(rank, 10)).pow(2).mean().backward()
+                    ddp(_batch(rank, 10)).pow(2).mean().backward()
+            options = {"branch": step == 2, "left_first": step != 1}
+            ours(_batch(rank, step), **options).pow(2).mean().backward()
+            ddp(_batch(rank, step), **options).pow(2).mean().backward()
+            diff, mismatched, largest = _max_grad_difference(ours, ddp.module)
+            report["max_diff"] = max(report["max_diff"], diff)
+            report["none_mismatch"] += mismatched
+            report["max_grad"] = max(report["max_grad"], largest)
+            report["compared"] += 1
+            if step != 0:  # step 0's grads stay: the next steps accumulate onto host .grad
+                for model in (ours, ddp.module):
+                    model.zero_grad(set_to_none=True)
+        synced.remove()
+        offloaded.remove()
+    return report
+
+
 SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
     "user_hooks": _scenario_user_hooks,
     "doubling_hook": _scenario_doubling_hook,
     "reentrant": _scenario_reentrant,
+    "offloaded": _scenario_offloaded,
 }
 
 
@@ -254,6 +304,15 @@ class TestUserHooksTwoRanks:
             assert reentrant["max_grad"] > 0
             assert reentrant["max_diff"] <= TOLERANCE
             assert reentrant["inside_max_diff"] <= TOLERANCE
+
+    def test_offloaded_parameters_averaged_as_ddp(self, two_ranks: list[dict[str, Any]]) -> None:
+        """offload_parameters + sync_gradients (both orders): DDP's grads, in host .grad."""
+        for report in two_ranks:
+            offloaded = report["offloaded"]
+            assert offloaded["compared"] == 6
+            assert offloaded["none_mismatch"] == 0
+            assert offloaded["max_grad"] > 0
+            assert offloaded["max_diff"] <= TOLERANCE
 
 
 # --- argument errors, checked before the process group ------------------------------------------
@@ -389,6 +448,37 @@ class TestReentrantCheckpoint:
         handle.remove()
         for mine, theirs in zip(model.parameters(), expected.parameters(), strict=True):
             torch.testing.assert_close(mine.grad, theirs.grad, rtol=0, atol=0)
+
+
+@pytest.mark.usefixtures("world_of_one")
+class TestOffloadedParametersOneRank:
+    """sync_gradients on parameters that offload_parameters streams: .grad lands at the end."""
+
+    @pytest.mark.parametrize("offload_first", [True, False])
+    def test_grads_are_those_of_a_plain_model(self, offload_first: bool) -> None:
+        """Either order: accumulation, no_sync and unused parameters give the plain grads."""
+        torch.manual_seed(0)
+        ours = Net().double()
+        plain = copy.deepcopy(ours)
+        offloaded, synced = _offload_and_sync(ours, offload_first=offload_first)
+        assert len(synced.buckets) > 1
+        with synced.no_sync():
+            ours(_batch(0, 10)).pow(2).mean().backward()
+        plain(_batch(0, 10)).pow(2).mean().backward()
+        for step in range(2):
+            ours(_batch(0, step), branch=step == 1).pow(2).mean().backward()
+            plain(_batch(0, step), branch=step == 1).pow(2).mean().backward()
+            for (name, mine), theirs in zip(
+                ours.named_parameters(), plain.parameters(), strict=True
+            ):
+                if theirs.grad is None:
+                    assert mine.grad is None, name
+                    continue
+                assert mine.grad is not None, name
+                assert mine.grad.abs().max() > 0, name
+                torch.testing.assert_close(mine.grad, theirs.grad, rtol=0, atol=0, msg=name)
+        synced.remove()
+        offloaded.remove()
 
 
 if __name__ == "__main__":

@@ -291,6 +291,142 @@ class TestBackwardVariants:
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         handle.remove()
 
+    @pytest.mark.parametrize("where", ["inside a block", "after a block"])
+    def test_failed_forward_releases_prefetched_copies(self, where: str) -> None:
+        """A forward raising inside or after block 1 leaves no device copy alive."""
+        ours, resident = stack(), stack()
+        handle, _, watcher = offload(ours, prefetch=2)
+
+        def fail(*_: Any) -> None:
+            raise KeyError(where)
+
+        if where == "inside a block":
+            hook = ours[1][2].register_forward_pre_hook(fail)  # the Tanh of block 1
+        else:
+            hook = ours[1].register_forward_hook(fail)  # runs after offload's own hook
+        with pytest.raises(KeyError, match=where):
+            ours(batch())
+        hook.remove()
+        assert watcher.blocks_alive() == set()  # blocks 2 and 3 were staged
+        assert_all_on_host(handle, watcher)
+        ours(batch()).sum().backward()
+        resident(batch()).sum().backward()
+        assert_same_grads(ours, resident)
+        handle.remove()
+
+    def test_block_that_does_not_run_keeps_no_staged_copy(self) -> None:
+        """A block staged by the one before it but not run (a branch) has no copy after forward."""
+
+        class Branches(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.first, self.second, self.branch = block(), block(), block()
+
+            def forward(self, x: torch.Tensor, branch: bool = False) -> torch.Tensor:
+                x = self.second(self.first(x))
+                return self.branch(x) if branch else x  # type: ignore[no-any-return]
+
+        ours = Branches()
+        handle, _, watcher = offload(ours)
+        out = ours(batch())
+        assert watcher.blocks_alive() == set()  # the branch was staged by the second block
+        out.sum().backward()
+        ours(batch(), branch=True).sum().backward()
+        assert_all_on_host(handle, watcher)
+        handle.remove()
+
+    def test_backward_over_a_graph_built_before_remove_raises(self) -> None:
+        """After remove(), backward through a graph built under the handle raises; nothing moves."""
+        ours, resident = stack(), stack()
+        handle, _, _ = offload(ours)
+        loss = ours(batch()).sum()
+        handle.remove()
+        restored = [t.data_ptr() for t in [*ours.parameters(), *ours.buffers()]]
+        with pytest.raises(
+            th.ParameterOffloadStateError,
+            match=r"this graph was built while the parameters were offloaded, and "
+            r"handle\.remove\(\) was called since; run backward before remove\(\)",
+        ):
+            loss.backward()
+        assert [t.data_ptr() for t in [*ours.parameters(), *ours.buffers()]] == restored
+        assert all(p.grad is None for p in ours.parameters())
+        assert th.live_graph_tasks() == 0
+        ours(batch()).sum().backward()  # a graph built after remove() is plain autograd's
+        resident(batch()).sum().backward()
+        assert_same_grads(ours, resident)
+
+
+class CheckpointedBlock(nn.Module):
+    """A block whose forward runs under tensorhooks.checkpoint: backward recomputes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.is_device_copy: Callable[[torch.Tensor], bool] | None = None
+        self.seen: list[tuple[bool, bool, bool]] = []
+        """(recomputing, weight is a device copy, norm weight is a device copy) at each run."""
+
+    def layers(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_device_copy is not None:
+            on_device = self.is_device_copy
+            self.seen.append(
+                (th.is_recomputing(), on_device(self.linear.weight), on_device(self.norm.weight))
+            )
+        return torch.tanh(self.norm(self.linear(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return th.checkpoint(self.layers, x)  # type: ignore[no-any-return]
+
+
+class TestComposition:
+    @pytest.mark.parametrize("prefetch", [0, 1])
+    def test_checkpoint_inside_a_block_recomputes_with_device_copies(self, prefetch: int) -> None:
+        """A checkpoint inside a block recomputes with the device copies; grads as resident."""
+
+        def model() -> nn.Sequential:
+            torch.manual_seed(0)
+            return nn.Sequential(*(CheckpointedBlock() for _ in range(4)))
+
+        ours, resident = model(), model()
+        handle, transfer, watcher = offload(ours, prefetch=prefetch)
+        for module in ours:
+            module.is_device_copy = transfer.is_device_copy
+        x = batch()
+        out = ours(x).square().sum()
+        transfer.loads.clear()
+        out.backward()
+        resident(x).square().sum().backward()
+        seen = [entry for module in ours for entry in module.seen]
+        assert [recomputing for recomputing, _, _ in seen] == [False, True] * 4
+        assert all(linear and norm for _, linear, norm in seen), seen
+        assert_same_grads(ours, resident)
+        assert watcher.load_order() == [3, 2, 1, 0]  # each block brought back once
+        assert watcher.peak <= 1 + prefetch
+        assert_all_on_host(handle, watcher)
+        handle.remove()
+
+    def test_module_shared_by_two_blocks(self) -> None:
+        """A submodule inside two blocks that do not contain one another is shared, as tied."""
+
+        def model() -> nn.Sequential:
+            torch.manual_seed(0)
+            shared = nn.LayerNorm(8)
+            return nn.Sequential(
+                nn.Sequential(nn.Linear(8, 8), shared),
+                nn.Tanh(),
+                nn.Sequential(nn.Linear(8, 8), shared),
+            )
+
+        ours, resident = model(), model()
+        handle, _, watcher = offload(ours, blocks=[ours[0], ours[2]])
+        for _ in range(2):
+            ours(batch()).square().sum().backward()
+            resident(batch()).square().sum().backward()
+        assert_same_grads(ours, resident)
+        assert_all_on_host(handle, watcher)
+        handle.remove()
+
 
 class TestModels:
     def test_tied_weights_between_blocks(self) -> None:
@@ -455,7 +591,7 @@ class TestErrors:
 
     def test_not_modules(self) -> None:
         """A module or block that is not an nn.Module raises a TypeError."""
-        with pytest.raises(th.InvalidHookArgumentError, match=r"module must be an nn\.Module"):
+        with pytest.raises(th.ParameterOffloadTypeError, match=r"module must be an nn\.Module"):
             th.offload_parameters(torch.ones(2), transfer=HostCloneTransfer())  # type: ignore[arg-type]
         with pytest.raises(TypeError, match=r"blocks\[0\] is 3 of type int"):
             th.offload_parameters(stack(), blocks=[3], transfer=HostCloneTransfer())  # type: ignore[list-item]
