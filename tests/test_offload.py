@@ -1453,3 +1453,98 @@ class TestSaveOnCpuCuda:
                 assert plain is None
                 return
         assert_grads_equal(grads, plain if plain is not None else reference)
+
+
+# The stream rules on a real device, each with a negative control: the same check with the rule
+# patched out must fail, or the check proves nothing. The streams are kept busy
+# (``torch.cuda._sleep``) and freed blocks are poisoned, so a missing wait shows on an idle GPU.
+_SPIN_CYCLES = 50_000_000  # tens of milliseconds of a busy stream
+
+
+def _poisoned_block(nbytes: int) -> None:
+    """Leave a freed block of ``nbytes`` filled with NaN, for the next allocation to get."""
+    torch.empty(nbytes // 4, device="cuda").fill_(float("nan"))
+
+
+@pytest.mark.cuda
+@requires_cuda
+class TestStreamRulesCuda:
+    """Rules 1-3 of NOTE [Offloading saved tensors without races], each shown to be needed."""
+
+    def test_the_stream_engine_serves_cuda(self) -> None:
+        """CUDA tensors go through the side-stream engine (not the synchronous path)."""
+        from tensorhooks._offload_engines import StreamEngine
+
+        engine = copy_engine_provider().engine_for(torch.device("cuda", 0))
+        assert isinstance(engine, StreamEngine)
+        x = torch.randn(1024, 1024, device="cuda", requires_grad=True)
+        with th.save_on_cpu(pin_memory=True):
+            y = x.exp()
+        assert isinstance(y.grad_fn._raw_saved_result.data, Offloaded)  # type: ignore[union-attr]
+
+    @staticmethod
+    def _saved_after_busy_producer() -> tuple[torch.Tensor, torch.Tensor]:
+        """Grad of sin(x * 2), with x * 2 produced behind a busy stream into a poisoned block."""
+        x = torch.randn(4096, 1024, device="cuda", requires_grad=True)
+        expected = (x.detach() * 2).cos() * 2
+        _poisoned_block(x.nbytes)
+        with th.save_on_cpu(pin_memory=True, max_in_flight=0):
+            torch.cuda._sleep(_SPIN_CYCLES)
+            loss = (x * 2).sin().sum()  # mul's output is saved by sin; produced after the spin
+        (grad,) = torch.autograd.grad(loss, x)
+        return grad, expected
+
+    def test_copy_waits_for_the_producer(self) -> None:
+        """Rule 1: the device-to-host copy reads the finished value."""
+        grad, expected = self._saved_after_busy_producer()
+        torch.testing.assert_close(grad, expected)
+
+    def test_copy_without_producer_wait_is_caught(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Negative control of rule 1: without the wait, the copy reads the poisoned block."""
+        from tensorhooks._offload_engines import StreamEngine
+
+        def to_host(self: StreamEngine, source: torch.Tensor, host: torch.Tensor, _: Any) -> Any:
+            with self.module.stream(self.stream):
+                host.copy_(source, non_blocking=True)
+                return self.stream.record_event()
+
+        monkeypatch.setattr(StreamEngine, "to_host", to_host)
+        grad, expected = self._saved_after_busy_producer()
+        assert not torch.allclose(grad, expected, equal_nan=False)
+
+    @staticmethod
+    def _prefetched_chain() -> tuple[torch.Tensor, torch.Tensor]:
+        """Backward over a chain with prefetch, the compute stream kept busy at every unpack."""
+        x = torch.randn(2048, 2048, device="cuda", requires_grad=True)
+        with th.save_on_cpu(pin_memory=True, prefetch=2):
+            h = x
+            for _ in range(8):
+                h = h.sin()
+                h.register_hook(lambda g: torch.cuda._sleep(_SPIN_CYCLES // 8) or g)
+        (grad,) = torch.autograd.grad(h.sum(), x)
+        with torch.no_grad():
+            expected = torch.ones_like(x)
+            values = [x.detach()]
+            for _ in range(8):
+                values.append(values[-1].sin())
+            for value in reversed(values[:-1]):
+                expected = expected * value.cos()
+        return grad, expected
+
+    def test_prefetched_memory_kept_until_the_consumer_is_done(self) -> None:
+        """Rules 2-3: prefetched tensors are not recycled while the consumer still reads them."""
+        grad, expected = self._prefetched_chain()
+        torch.testing.assert_close(grad, expected)
+
+    def test_hand_over_without_record_stream_is_caught(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Negative control of rule 3: without record_stream the side stream reuses the memory."""
+        from tensorhooks._offload_engines import StreamEngine
+
+        def hand_over(self: StreamEngine, tensor: torch.Tensor, stream: Any, event: Any) -> None:
+            stream.wait_event(event)
+
+        monkeypatch.setattr(StreamEngine, "hand_over", hand_over)
+        grad, expected = self._prefetched_chain()
+        assert not torch.allclose(grad, expected)
