@@ -8,8 +8,10 @@ NOTE [Guarding saved tensors that pack returned as-is].
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
+import types
 import weakref
 from collections.abc import Callable, Generator
 from typing import Any, Protocol
@@ -17,7 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from ._errors import SavedTensorModifiedError
-from ._torch_compat import is_alias_of, is_newest_node
+from ._torch_compat import is_alias_of, is_newest_node, storage_key
 
 __all__ = [
     "PackHook",
@@ -28,6 +30,7 @@ __all__ = [
     "current_save_guard",
     "is_output_of_saving_node",
     "is_protected_pack_hook",
+    "may_share_storage",
     "modified_error",
     "modified_message",
     "register_protected_pack_hook",
@@ -124,10 +127,12 @@ class SaveGuard(Protocol):
         ...
 
 
-def _aliases(packed: object, tensor: torch.Tensor) -> bool:
-    """Whether ``packed`` shares ``tensor``'s storage. See NOTE [Aliases inside what pack returned].
+def may_share_storage(packed: object, tensor: torch.Tensor) -> bool:
+    """Whether ``packed`` may share ``tensor``'s storage.
 
-    The flat cases (a tensor, a tuple or list of tensors and scalars) take no detour.
+    False only when every object reachable from ``packed`` was looked at and none shares it. See
+    NOTE [Aliases inside what pack returned]. The flat cases (a tensor, a tuple or list of
+    tensors and scalars) take no detour.
     """
     if isinstance(packed, torch.Tensor):
         return is_alias_of(packed, tensor)
@@ -150,9 +155,15 @@ def _aliases(packed: object, tensor: torch.Tensor) -> bool:
 # dict, nested tuples and lists, an object's attributes (``__dict__`` or ``__slots__``), a NumPy
 # array from ``tensor.numpy()`` (whose ``base`` chain ends at a tensor sharing the storage). The
 # guard looks through all of them, with a budget of `_MAX_VISITS` objects and each container
-# visited once, so a large or cyclic structure costs a bounded walk. Past the budget it answers
-# "no alias" rather than hold a reference to the saved tensor that the user's pack dropped.
-# Records that subclass `SavedCopy` hold copies by contract and are not walked.
+# visited once, so a large or cyclic structure costs a bounded walk. It also looks into a
+# ``collections.deque``, a function's closure cells and defaults (``lambda: t``), a bound
+# method's ``__self__``, a ``memoryview``'s exporter (``memoryview(t.numpy())``) and an untyped
+# or typed storage (``t.untyped_storage()``, compared by StorageImpl). Past the budget it answers
+# "may alias": the version guard then keeps its version record (a change raises) and the guard
+# of allow_mutation_on_saved_tensors tracks the tensor, rather than silently trusting what was
+# not looked at. Records that subclass `SavedCopy` hold copies by contract and are not walked.
+# What the walk cannot see (a reference kept in a global, a C object's internals, a generator's
+# frame) is listed in the Limits section of docs/saved_tensors_hooks.md.
 
 _ATOMS = (int, float, complex, bool, str, bytes, type(None), torch.device, torch.dtype)
 _MAX_VISITS = 256
@@ -160,11 +171,20 @@ _MAX_VISITS = 256
 
 def _children(obj: object) -> list[object]:
     """What ``obj`` holds that could hold a tensor: items, values, attributes, an array's base."""
-    if isinstance(obj, (tuple, list, set, frozenset)):
+    if isinstance(obj, (tuple, list, set, frozenset, collections.deque)):
         return list(obj)
     if isinstance(obj, dict):
         return [*obj.keys(), *obj.values()]
+    if isinstance(obj, memoryview):
+        return [obj.obj]
     children: list[object] = []
+    if isinstance(obj, types.FunctionType):
+        cells = obj.__closure__ or ()
+        children.extend(cell.cell_contents for cell in cells if _cell_is_set(cell))
+        children.extend(obj.__defaults__ or ())
+        children.extend((obj.__kwdefaults__ or {}).values())
+    elif isinstance(obj, types.MethodType):
+        children.append(obj.__self__)
     if hasattr(obj, "__array_interface__"):  # a NumPy array (or alike): its memory's owner
         children.append(getattr(obj, "base", None))
     attributes = getattr(obj, "__dict__", None)
@@ -177,11 +197,24 @@ def _children(obj: object) -> list[object]:
     return children
 
 
+def _cell_is_set(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 (read to learn whether the cell is empty)
+    except ValueError:
+        return False
+    return True
+
+
 def _aliases_inside(packed: object, tensor: torch.Tensor) -> bool:
-    """Whether anything reachable from ``packed`` shares ``tensor``'s storage."""
+    """Whether anything reachable from ``packed`` may share ``tensor``'s storage.
+
+    True past the budget: what was not looked at may hold an alias.
+    """
     seen: set[int] = set()
     pending = [packed]
-    while pending and len(seen) < _MAX_VISITS:
+    while pending:
+        if len(seen) >= _MAX_VISITS:
+            return True
         obj = pending.pop()
         if isinstance(obj, torch.Tensor):
             if obj is tensor or is_alias_of(obj, tensor):
@@ -189,9 +222,21 @@ def _aliases_inside(packed: object, tensor: torch.Tensor) -> bool:
             continue
         if isinstance(obj, (_ATOMS, SavedCopy)) or id(obj) in seen:
             continue
+        if isinstance(obj, (torch.UntypedStorage, torch.TypedStorage)):
+            if _storage_key_of(obj) == storage_key(tensor):
+                return True
+            continue
         seen.add(id(obj))
         pending.extend(_children(obj))
     return False
+
+
+def _storage_key_of(storage: torch.UntypedStorage | torch.TypedStorage) -> int:
+    """The address of ``storage``'s StorageImpl, as `storage_key` gives it for a tensor."""
+    if isinstance(storage, torch.TypedStorage):
+        storage = storage._untyped_storage
+    key: int = storage._cdata
+    return key
 
 
 def modified_message(type_name: str, shape: list[int], version: int, saved_version: int) -> str:
@@ -260,7 +305,7 @@ class VersionGuard:
             packed = pack_hook(tensor)
             if packed is tensor:
                 return (_ALIASED, packed, packed, tensor._version)
-            if _aliases(packed, tensor):
+            if may_share_storage(packed, tensor):
                 # Read the version through a tensor that shares the version counter. Holding
                 # ``tensor`` itself would add a reference cycle when it is the output of the very
                 # node that saves it; a detached alias holds no graph.

@@ -22,6 +22,7 @@ from ._guards import (
     current_save_guard,
     is_output_of_saving_node,
     is_protected_pack_hook,
+    may_share_storage,
     modified_message,
     register_protected_pack_hook,
     use_save_guard,
@@ -508,7 +509,11 @@ class _GuardedSave:
 
 
 def _is_copy(packed: object, tensor: torch.Tensor) -> bool:
-    """Whether ``packed`` provably holds nothing that shares ``tensor``'s storage."""
+    """Whether ``packed`` provably holds nothing that shares ``tensor``'s storage.
+
+    Containers and objects are walked as the version guard walks them (`may_share_storage`):
+    a record or dict holding a copy is a copy; one past the walk's budget is not.
+    """
     # save_on_cpu's host copies (fenced at once under this guard), or a key or a path: the data
     # went elsewhere (to disk, say) and there is nothing to hold.
     if isinstance(packed, (SavedCopy, *_IMMUTABLE_TYPES)):
@@ -521,13 +526,15 @@ def _is_copy(packed: object, tensor: torch.Tensor) -> bool:
         except (RuntimeError, NotImplementedError):
             return False
     if isinstance(packed, (tuple, list)):
-        return all(
-            _is_copy(item, tensor)
-            if isinstance(item, (torch.Tensor, tuple, list))
-            else isinstance(item, _IMMUTABLE_TYPES)
-            for item in packed
-        )
-    return False
+        return all(_is_copy(item, tensor) for item in packed)
+    return _walk_finds_no_alias(packed, tensor)
+
+
+def _walk_finds_no_alias(packed: object, tensor: torch.Tensor) -> bool:
+    try:
+        return not may_share_storage(packed, tensor)
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 class _GuardedPair:
@@ -638,13 +645,24 @@ def _warn_if_unguarded() -> None:
 class _ForeignSave:
     """A tensor that hooks the context did not install may hold: writes reaching it raise."""
 
-    __slots__ = ("hook_name", "ref", "task")
+    __slots__ = ("hook_name", "ref", "slack", "task", "version")
 
     def __init__(self, tensor: torch.Tensor, hook_name: str, task: int | None) -> None:
         self.ref = weakref.ref(tensor)
         self.hook_name = hook_name
         # The graph task whose recomputation saved it; None: until the tensor dies.
         self.task = task
+        # Versions it may be at with no write the mode did not see (a seen write to another
+        # part of its storage moves the shared counter). See NOTE [Detecting writes the context
+        # did not see].
+        self.version = tensor._version
+        self.slack = 0
+
+    def check_version(self) -> None:
+        """Raise autograd's in-place error if a write the mode did not see changed the tensor."""
+        tensor = self.ref()
+        if tensor is not None and not self.version <= tensor._version <= self.version + self.slack:
+            raise _unseen_write_error(tensor, self.version)
 
 
 # Storage key -> foreign saves on that storage, on every thread; guarded by the lock.
@@ -654,7 +672,8 @@ _foreign_saves_lock = threading.Lock()
 
 def _record_foreign_saves(
     tensors: Sequence[torch.Tensor], hook_name: str, task: int | None
-) -> None:
+) -> list[_ForeignSave]:
+    made = []
     with _foreign_saves_lock:
         for tensor in tensors:
             key = storage_key(tensor)
@@ -663,8 +682,10 @@ def _record_foreign_saves(
                 for record in _foreign_saves.get(key, ())
                 if record.ref() is not None and (record.task is None or record.task == task)
             ]
-            records.append(_ForeignSave(tensor, hook_name, task))
+            made.append(_ForeignSave(tensor, hook_name, task))
+            records.append(made[-1])
             _foreign_saves[key] = records
+    return made
 
 
 def _check_foreign_saves(func: OpOverload, written: Sequence[torch.Tensor], resizes: bool) -> None:
@@ -684,6 +705,7 @@ def _check_foreign_saves(func: OpOverload, written: Sequence[torch.Tensor], resi
             live.append(record)
             if span is not None:
                 if not _reaches(span, saved):
+                    record.slack += 1  # the write moves the shared version counter
                     continue
             elif key is not None:
                 continue
@@ -731,39 +753,102 @@ def _recording_pack(pack: PackHook, hook_name: str, task: int) -> PackHook:
 
 def _take_over_innermost_hooks(
     mode: _CloneBeforeWriteMode, func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> None:
+) -> list[_ForeignSave]:
     """Swap a foreign innermost pair for its guarded version.
 
-    See NOTE [Saved-tensor hooks the context did not install].
+    Returns the foreign saves recorded for this operator's inputs that the saving node must
+    check (see `_call_and_tie`). See NOTE [Saved-tensor hooks the context did not install].
     """
     if top_saved_tensors_hooks is None:
-        return  # see _warn_if_unguarded
+        return []  # see _warn_if_unguarded
     top = top_saved_tensors_hooks()
     if top is None or top[0] is mode.known_pack:
-        return
+        return []
     pack, unpack = top
     if is_protected_pack_hook(pack) or get_disabled_hooks_message() is not None:
         mode.known_pack = pack
-        return
+        return []
     name = getattr(pack, "__qualname__", None) or type(pack).__name__
     checkpoint = getattr(pack, "__module__", None) == _CHECKPOINT_MODULE
     if checkpoint and name.startswith(_CHECKPOINT_FORWARD_PACK):
         mode.known_pack = pack  # stores no tensor data
-        return
+        return []
     # This operator's inputs may already be in what ``pack`` kept; what it writes was not
     # (autograd saves a copy of an input an in-place formula needs).
     written = {id(value) for value in _written_values(func, args, kwargs)}
     inputs = [t for t in _tensors_in((*args, *kwargs.values())) if id(t) not in written]
+    records: list[_ForeignSave] = []
     if checkpoint and name.startswith(_CHECKPOINT_RECOMPUTATION_PACK):
         task = current_graph_task_id()
         _record_foreign_saves(inputs, name, task)
         new_pack, new_unpack = _recording_pack(pack, name, task), unpack
     else:
-        _record_foreign_saves(inputs, name, None)
+        records = _record_foreign_saves(inputs, name, None)
         new_pack, new_unpack = current_save_guard().wrap(pack, unpack)
     pop_saved_tensors_hooks()
     push_saved_tensors_hooks(new_pack, new_unpack)
     mode.known_pack = new_pack
+    return records
+
+
+# NOTE [Checking foreign saves in backward]
+#
+# A write made where the mode cannot see it (on a thread with no open context) can change a
+# foreign save with no error at the write; what torch's pack kept has no version check of its
+# own (autograd skips its check once hooks are installed). The operator at which the pair is
+# taken over is therefore run by the handler itself, which keeps weak references to its outputs
+# and looks at them on the thread's next operator (it forces one more pass through the slow
+# branch): by then autograd has set their ``grad_fn``, the node that saved the inputs. A
+# pre-hook on that node compares each foreign save's version before the node unpacks them and
+# raises autograd's in-place error on a change. If that next operator already runs in backward
+# (the output was backwarded at once), the versions are compared there, before the node's
+# formula has read anything. Cost: one operator per take-over, nothing per operator otherwise.
+
+
+def _call_and_tie(
+    mode: _CloneBeforeWriteMode,
+    records: list[_ForeignSave],
+    func: OpOverload,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """Run ``func``; tie ``records`` to the node that saved them.
+
+    See NOTE [Checking foreign saves in backward].
+    """
+    call = _READ_ONLY_OPS.get(id(func))
+    result = _dispatch_write(func, args, kwargs) if call is None else call(*args, **kwargs)
+    outputs = _tensors_in((result,))
+    mode.untied = (records, [weakref.ref(output) for output in outputs])
+    mode.sequence_nr = -1  # look again on the next operator, once autograd set grad_fn
+    return result
+
+
+def _tie_foreign_saves(
+    mode: _CloneBeforeWriteMode,
+    untied: tuple[list[_ForeignSave], list[weakref.ref[torch.Tensor]]],
+) -> None:
+    """Hook the node that saved ``untied``'s records, or check them now."""
+    records, outputs = untied
+    mode.untied = None
+    nodes = {}
+    for ref in outputs:
+        output = ref()
+        node = None if output is None else output.grad_fn
+        if node is not None:
+            nodes[id(node)] = node
+    if not nodes or current_graph_task_id() != -1:  # no node to hook, or already in backward
+        for record in records:
+            record.check_version()
+        if not nodes:
+            return
+
+    def check(*_: object) -> None:
+        for record in records:
+            record.check_version()
+
+    for node in nodes.values():
+        node.register_prehook(check)
 
 
 def _written_values(
@@ -874,7 +959,12 @@ def _torch_dispatch(
     sequence_nr = next_sequence_nr()
     if sequence_nr != self.sequence_nr:  # a node was created: it may have saved tensors
         self.sequence_nr = sequence_nr
-        _take_over_innermost_hooks(self, func, args, kwargs or {})
+        untied = self.untied
+        if untied is not None:
+            _tie_foreign_saves(self, untied)
+        records = _take_over_innermost_hooks(self, func, args, kwargs or {})
+        if records:
+            return _call_and_tie(self, records, func, args, kwargs or {})
     call = _READ_ONLY_OPS.get(id(func))
     if call is None:
         return _dispatch_write(func, args, kwargs or {})
@@ -893,6 +983,9 @@ class _CloneBeforeWriteMode(UnwrappedDispatchMode):
     # safe then. See NOTE [Saved-tensor hooks the context did not install].
     sequence_nr = -1
     known_pack: object = None
+    # Foreign saves and weak references to the outputs of the operator that saved them, until
+    # the next operator ties them to its node. See NOTE [Checking foreign saves in backward].
+    untied: tuple[list[_ForeignSave], list[weakref.ref[torch.Tensor]]] | None = None
 
     # torch's torch._disable_dynamo wrapper only when Dynamo could not be told to skip the
     # handler directly.

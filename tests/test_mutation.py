@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import re
@@ -986,3 +987,57 @@ class TestAllowMutationOnSavedTensors:
 
 def _live_handles(ctx: _mutation.MutationContext) -> list[Any]:
     return [saved for saved in (ref() for ref in ctx._refs()) if saved is not None]
+
+
+class _CopyRecord:
+    """A pack record that keeps a copy of the saved tensor in an attribute."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.copy = tensor.clone()
+
+
+@pytest.mark.parametrize(
+    ("pack", "unpack"),
+    [
+        (_CopyRecord, lambda record: record.copy),
+        (lambda t: {"copy": t.clone()}, lambda record: record["copy"]),
+        (lambda t: collections.deque([t.clone()]), lambda record: record[0]),
+    ],
+    ids=["object", "dict", "deque"],
+)
+def test_pack_returning_a_record_of_a_copy_keeps_nothing_alive(pack: Any, unpack: Any) -> None:
+    """A user pack returning an object or dict holding a copy frees the saved tensor."""
+    x = torch.randn(8, requires_grad=True)
+    with tensorhooks.allow_mutation_on_saved_tensors() as context:
+        with tensorhooks.saved_tensors_hooks(pack, unpack):
+            h = x * 2
+            alive = weakref.ref(h)
+            y = h.sin()
+            del h
+        gc.collect()
+        assert alive() is None
+        assert context.num_saved() == 0
+        y.sum().backward()
+    assert torch.allclose(x.grad, 2 * (2 * x.detach()).cos())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("pack", "unpack"),
+    [
+        (lambda t: lambda: t, lambda p: p()),
+        (lambda t: [[t], *[[] for _ in range(300)]], lambda p: p[0][0]),
+    ],
+    ids=["closure", "over_budget"],
+)
+def test_pack_hiding_the_tensor_from_the_walk_still_gets_the_save_time_value(
+    pack: Any, unpack: Any
+) -> None:
+    """A pack whose alias the walk cannot rule out is tracked: a write does not reach backward."""
+    x = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    with tensorhooks.allow_mutation_on_saved_tensors():
+        with tensorhooks.saved_tensors_hooks(pack, unpack):
+            b = x * 1
+            y = (b * b).sum()
+        b.mul_(10)
+        y.backward()
+    assert torch.equal(x.grad, torch.tensor([2.0, 4.0, 6.0]))  # type: ignore[arg-type]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.autograd.graph as torch_graph
@@ -204,3 +206,35 @@ def test_checkpoint_parameters_can_be_written_after_backward() -> None:
         assert ctx.num_cloned() == 0  # nothing held was written: no clone was needed
     torch.testing.assert_close(got, expected)
     assert not torch.equal(got, start)
+
+
+@pytest.mark.parametrize("consumed", [True, False], ids=["output_consumed", "output_backwarded"])
+def test_write_from_a_thread_without_context_to_a_foreign_save_raises(consumed: bool) -> None:
+    """A foreign save changed where the mode cannot see it raises in backward: no wrong grad."""
+    x = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    with tensorhooks.allow_mutation_on_saved_tensors():
+        b = x * 1
+        with torch_graph.saved_tensors_hooks(_identity, _identity):
+            y = b * b
+            if consumed:
+                y = y.sum()
+        writer = threading.Thread(target=lambda: b.mul_(10))
+        writer.start()
+        writer.join()
+        with pytest.raises(
+            tensorhooks.SavedTensorModifiedError,
+            match=r"is at version 1; expected version 0 instead\. Hint: the tensor was saved in",
+        ):
+            y.backward(None if consumed else torch.ones(3))
+    assert x.grad is None
+
+
+def test_foreign_save_unchanged_from_other_thread_gives_plain_gradient() -> None:
+    """With no write, tying foreign saves to their node leaves the gradient as plain autograd's."""
+    x = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    with tensorhooks.allow_mutation_on_saved_tensors():
+        b = x * 1
+        with torch_graph.saved_tensors_hooks(_identity, _identity):
+            y = (b * b).sum()
+        y.backward()
+    assert torch.equal(x.grad, torch.tensor([2.0, 4.0, 6.0]))  # type: ignore[arg-type]
