@@ -27,6 +27,8 @@ __all__ = ["Program", "SavedOutputExp", "Square", "programs"]
 # ops recorded by autograd. The loss sums every computed value, each taken right after it is
 # made. Backward runs one of: ``backward()``, ``backward(inputs=...)``, ``autograd.grad``,
 # ``backward(retain_graph=True)`` twice, or a double backward through ``create_graph=True``.
+# With ``checkpoint=True`` a third of the computing steps run as a ``tensorhooks.checkpoint``
+# region of their inputs.
 #
 # Shapes are tracked while drawing by applying each view to an empty tensor of the value's
 # shape, so every line is written with concrete indices.
@@ -133,8 +135,10 @@ class Program:
 class _Builder:
     """Writes a program's lines while tracking each value's shape, leafness and requires_grad."""
 
-    def __init__(self, draw: st.DrawFn, n_leaves: int) -> None:
+    def __init__(self, draw: st.DrawFn, n_leaves: int, *, checkpoint: bool = False) -> None:
         self.draw = draw
+        self.checkpoint = checkpoint  # may wrap a step in a tensorhooks.checkpoint region
+        self.checkpointed = False  # whether some step was wrapped
         self.lines: list[str] = []
         self.names = [f"leaf{i}" for i in range(n_leaves)] + ["const"]
         self.shapes: list[torch.Tensor] = [torch.empty(SHAPE, dtype=torch.float64)] * (n_leaves + 1)
@@ -216,7 +220,7 @@ def _compute(builder: _Builder) -> None:
             op = "sin"
         if op == "softmax" and dummy.dim() == 0:
             op = "tanh"
-        expr = UNARY[op].format(x=x)
+        expr = _region(builder, UNARY[op].format(x="x"), [x]) or UNARY[op].format(x=x)
         with torch.no_grad():  # the shape of the result, from the op run on the dummy alias
             result = eval(UNARY[op].format(x="x"), _SHAPE_GLOBALS, {"x": dummy})
         builder.add_value(expr, result, requires_grad)
@@ -228,12 +232,25 @@ def _compute(builder: _Builder) -> None:
         dummy.dim() == 2 and other_dummy.dim() == 2 and dummy.size(1) == other_dummy.size(1)
     ):
         op = "mul"
+    reduce = ""
     if op != "matmul" and dummy.shape != other_dummy.shape:
-        y = f"{y}.sum()"
+        reduce = ".sum()"
         other_dummy = torch.empty((), dtype=torch.float64)
-    expr = BINARY[op].format(x=x, y=y)
+    region = _region(builder, BINARY[op].format(x="x", y=f"y{reduce}"), [x, y])
+    expr = region or BINARY[op].format(x=x, y=f"{y}{reduce}")
     result = dummy @ other_dummy.mT if op == "matmul" else dummy * other_dummy
     builder.add_value(expr, result, requires_grad or builder.requires_grad[other])
+
+
+def _region(builder: _Builder, body: str, inputs: list[str]) -> str | None:
+    """Sometimes (when allowed) ``body`` as a checkpointed function of ``inputs``, else None."""
+    if not builder.checkpoint or builder.draw(st.integers(0, 2)) != 0:
+        return None
+    builder.checkpointed = True
+    names = ", ".join("xy"[: len(inputs)])
+    return (
+        f"tensorhooks.checkpoint(lambda {names}: {body}, {', '.join(inputs)}, use_reentrant=False)"
+    )
 
 
 class _Shape:
@@ -298,8 +315,13 @@ def _backward(builder: _Builder, n_leaves: int) -> list[str]:
 
 
 @st.composite
-def programs(draw: st.DrawFn, *, max_steps: int = 8, writes: bool = True) -> Program:
+def programs(
+    draw: st.DrawFn, *, max_steps: int = 8, writes: bool = True, checkpoint: bool = False
+) -> Program:
     """Random autograd programs of 1 to ``max_steps`` steps; ``writes`` allows in-place writes.
+
+    With ``checkpoint``, some computing steps run inside a `tensorhooks.checkpoint` region (so
+    their inputs are saved by the region, and in-place writes can reach them afterwards).
 
     Example:
         >>> from hypothesis import given, settings
@@ -314,7 +336,7 @@ def programs(draw: st.DrawFn, *, max_steps: int = 8, writes: bool = True) -> Pro
     """
     n_leaves = draw(st.integers(1, 3))
     seed = draw(st.integers(0, 2**16))
-    builder = _Builder(draw, n_leaves)
+    builder = _Builder(draw, n_leaves, checkpoint=checkpoint)
     n_steps = draw(st.integers(1, max_steps))
     for _ in range(n_steps):
         if writes and draw(st.integers(0, 2)) == 0:
@@ -333,6 +355,7 @@ def programs(draw: st.DrawFn, *, max_steps: int = 8, writes: bool = True) -> Pro
     source = "\n".join(
         [
             "import torch",
+            *(["import tensorhooks"] if builder.checkpointed else []),
             "from tensorhooks.testing import SavedOutputExp, Square",
             "",
             "",

@@ -126,10 +126,10 @@ class TestEveryContext:
 @given(
     st.lists(st.sampled_from(sorted(CONTEXTS)), min_size=1, max_size=3).map(tuple),
     st.booleans(),
-    programs(),
+    programs(checkpoint=True),
 )
 def test_random_nestings(names: tuple[str, ...], disable: bool, program: Program) -> None:
-    """Random nestings of every context (after a disable around nothing) never lie."""
+    """Random nestings of every context, around programs with checkpoint regions, never lie."""
     assume(names not in KNOWN_LIMITATIONS)
     assume(check_program(program, nested(names, disable=disable)))
 
