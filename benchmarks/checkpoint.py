@@ -5,14 +5,15 @@ In one run:
 1. Step time (fwd+bwd) of ``tensorhooks.checkpoint`` over
    ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, interleaved (benchmarks/harness.py):
    on the 50-layer MLP (Linear(64, 64) + ReLU, batch 8, each layer a region) and on a small
-   transformer (each block a region). Target: at most 1.05x.
+   transformer (each block a region). Median step with its range, and the median of the
+   per-round ratios against the target: at most 1.05x.
 2. Saved-activation bytes kept between forward and backward by the transformer under each
    policy (no checkpoint, full recompute, save matmuls, offload matmuls): the bytes of every
    tensor the forward pass made that is still alive when it ends. On a CPU, offloaded outputs
    stay in place, so "offload matmuls" keeps what "save matmuls" keeps; on a GPU they are in
    host memory (part 3).
-3. With CUDA: peak device memory above the weights and step time for the same four settings on
-   a larger transformer. Without CUDA this part says it is skipped.
+3. With CUDA: peak device memory above the weights and step time (CUDA events) for the same
+   four settings on a larger transformer. Without CUDA this part says it is skipped.
 
 Run: python benchmarks/checkpoint.py [--rounds N] [--quick]
 """
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import FusedAttentionBlock as Block
-from harness import interleaved_medians, mlp, print_table
+from harness import check_target, interleaved, mlp, print_table
 
 import tensorhooks
 from tensorhooks import CheckpointPolicy
@@ -120,26 +121,40 @@ def time_ratios(rounds: int, quick: bool) -> None:
         nn.Sequential(layers[i], layers[i + 1]) for i in range(0, len(layers), 2)
     )
     x = torch.randn(8, 64, requires_grad=True)
-    medians = interleaved_medians(
+    timings = interleaved(
         {
             "torch": step_fn(mlp_blocks, x, torch_ckpt),
             "tensorhooks": step_fn(mlp_blocks, x, tensorhooks.checkpoint),
         },
         rounds=rounds,
+        warmup=3,
     )
-    print_table(f"MLP, {len(mlp_blocks)} checkpointed layers, batch 8", medians, "torch")
+    title = f"MLP, {len(mlp_blocks)} checkpointed layers, batch 8, {rounds} rounds"
+    print_table(title, timings, "torch")
+    check_target(
+        "MLP: tensorhooks / torch checkpoint",
+        timings.ratio("tensorhooks", "torch").median,
+        at_most=1.05,
+    )
     torch.manual_seed(0)
     d, seq, n = (32, 16, 2) if quick else (128, 64, 4)
     blocks = nn.ModuleList(Block(d, 4) for _ in range(n))
     h = torch.randn(4, seq, d, requires_grad=True)
-    medians = interleaved_medians(
+    timings = interleaved(
         {
             "torch": step_fn(blocks, h, torch_ckpt),
             "tensorhooks": step_fn(blocks, h, tensorhooks.checkpoint),
         },
         rounds=rounds,
+        warmup=3,
     )
-    print_table(f"transformer, {n} blocks, d={d}, seq={seq}, batch 4", medians, "torch")
+    title = f"transformer, {n} blocks, d={d}, seq={seq}, batch 4, {rounds} rounds"
+    print_table(title, timings, "torch")
+    check_target(
+        "transformer: tensorhooks / torch checkpoint",
+        timings.ratio("tensorhooks", "torch").median,
+        at_most=1.05,
+    )
     print("\nSaved-activation bytes kept between forward and backward (transformer, CPU)")
     print("| policy | bytes | vs no checkpoint |")
     print("|---|---:|---:|")
@@ -153,7 +168,7 @@ def time_ratios(rounds: int, quick: bool) -> None:
 
 def gpu_rows(quick: bool) -> None:
     if not torch.cuda.is_available():
-        print("\nNo CUDA device: the peak-memory part (GPU) is skipped.")
+        print("\nGPU part (peak memory, step time) not run: no CUDA device.")
         return
     torch.manual_seed(0)
     d, seq, n, batch = (256, 128, 2, 2) if quick else (1024, 2048, 8, 4)
@@ -167,16 +182,9 @@ def gpu_rows(quick: bool) -> None:
         )
     steps = {name: step_fn(blocks, x, run, **options) for name, (run, options) in settings.items()}
 
-    def synced(step: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:
-            step()
-            torch.cuda.synchronize()
-
-        return run
-
-    medians = interleaved_medians({k: synced(v) for k, v in steps.items()}, rounds=10, inner=3)
+    timings = interleaved(steps, rounds=10, inner=3, warmup=1, cuda_events=True)
     print_table(
-        f"GPU transformer, {n} blocks, d={d}, seq={seq}, batch {batch}", medians, "no checkpoint"
+        f"GPU transformer, {n} blocks, d={d}, seq={seq}, batch {batch}", timings, "no checkpoint"
     )
     print("\n| setting | peak activation memory (MiB) |")
     print("|---|---:|")

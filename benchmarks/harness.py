@@ -1,6 +1,6 @@
 """What the benchmark scripts share, re-exported from the package: `tensorhooks.cli._harness`.
 
-Kept so that scripts can write ``from harness import interleaved_medians, mlp, print_table``;
+Kept so that scripts can write ``from harness import interleaved, mlp, print_table``;
 the timing code and the models live in the package, once (see NOTE [How tensorhooks times
 things] there).
 """
@@ -11,8 +11,8 @@ from tensorhooks.cli._harness import (
     Spread,
     Timings,
     check_target,
+    cuda_event_seconds,
     interleaved,
-    interleaved_medians,
     print_table,
     skip,
     verdict,
@@ -32,8 +32,8 @@ __all__ = [
     "Timings",
     "TinyTransformer",
     "check_target",
+    "cuda_event_seconds",
     "interleaved",
-    "interleaved_medians",
     "make_batch",
     "mlp",
     "print_table",

@@ -7,11 +7,12 @@ flash attention) for one fwd+bwd step at a time under three settings, all in one
 - ``torch``: torch.autograd.graph.save_on_cpu(pin_memory=True);
 - ``tensorhooks``: tensorhooks.save_on_cpu(pin_memory=True).
 
-Prints, per setting: the median step time over interleaved rounds and its ratio to ``none``;
+Prints, per setting: the median step time over interleaved rounds (the harness of
+``tensorhooks.cli._harness``, CUDA events) with its range, and its per-round ratio to ``none``;
 the peak device memory above the weights and inputs (the activations) and its reduction
 against ``none``; the bytes moved each way per step; and the achieved device-to-host and
 host-to-device bandwidth (bytes moved over the time the profiler saw the copies run), next to
-a plain pinned-copy measurement of 256 MiB. Without CUDA it says so and exits.
+a plain pinned-copy measurement of 256 MiB. Without CUDA it prints ``skipped:`` and why.
 
 Run: python benchmarks/offload_gpu.py [--layers 12] [--d 1024] [--seq 4096] [--batch 4]
 """
@@ -19,7 +20,6 @@ Run: python benchmarks/offload_gpu.py [--layers 12] [--d 1024] [--seq 4096] [--b
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 import tensorhooks
+from tensorhooks.cli._harness import Timings, interleaved, print_table, skip
 from tensorhooks.cli._models import FusedAttentionBlock as Block
 
 MiB = 1 << 20
@@ -36,23 +37,19 @@ GB = 1e9
 
 
 def pinned_bandwidth(nbytes: int = 256 * MiB, repeats: int = 5) -> tuple[float, float]:
-    """Bytes per second of a plain pinned copy, device-to-host and host-to-device."""
+    """Bytes per second of a plain pinned copy, device-to-host and host-to-device (medians)."""
     device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    results = []
-    for copy in (lambda: host.copy_(device, non_blocking=True),
-                 lambda: device.copy_(host, non_blocking=True)):  # fmt: skip
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            copy()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        results.append(nbytes / statistics.median(times))
-    return results[0], results[1]
+    timings = interleaved(
+        {
+            "D2H": lambda: host.copy_(device, non_blocking=True),
+            "H2D": lambda: device.copy_(host, non_blocking=True),
+        },
+        rounds=repeats,
+        inner=1,
+        cuda_events=True,
+    )
+    return nbytes / timings.median("D2H"), nbytes / timings.median("H2D")
 
 
 class SavedBytes:
@@ -137,22 +134,9 @@ def build(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
 COUNTER = SavedBytes()
 
 
-def step_times(
-    steps: dict[str, Callable[[], None]], rounds: int, per_round: int
-) -> dict[str, float]:
-    """Median seconds per step of each setting, in interleaved rounds."""
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, step in steps.items():
-            for _ in range(per_round):
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                step()
-                end.record()
-                end.synchronize()
-                times[name].append(start.elapsed_time(end) / 1e3)
-    return {name: statistics.median(values) for name, values in times.items()}
+def step_times(steps: dict[str, Callable[[], None]], rounds: int, per_round: int) -> Timings:
+    """Seconds per step of each setting, in interleaved rounds timed by CUDA events."""
+    return interleaved(steps, rounds=rounds, inner=per_round, cuda_events=True)
 
 
 def peak_activation_bytes(step: Callable[[], None]) -> int:
@@ -192,14 +176,14 @@ def bandwidth(moved: int, seconds: float, pinned: float) -> str:
 def main() -> int:
     args = parse_args()
     if not torch.cuda.is_available():
-        print("offload_gpu.py needs a CUDA device; none is available here, nothing was measured.")
-        return 0
+        skip("offload_gpu.py needs a CUDA device; none is available, nothing was measured")
     steps = build(args)
     for step in steps.values():  # warm up: kernels, allocator, pinned pools
         step()
         step()
     timed = {name: steps[name] for name in ("none", "torch", "tensorhooks")}
-    median = step_times(timed, args.rounds, args.steps)
+    timings = step_times(timed, args.rounds, args.steps)
+    median = {name: timings.median(name) for name in timed}
     peak = {name: peak_activation_bytes(step) for name, step in timed.items()}
     moved = bytes_moved(steps)
     copy_time = {name: memcpy_seconds(steps[name]) for name in ("torch", "tensorhooks")}
@@ -210,6 +194,7 @@ def main() -> int:
         f"seq {args.seq}, batch {args.batch}, bf16; median of {args.rounds} interleaved rounds "
         f"x {args.steps} steps"
     )
+    print_table("step time, median (min-max) over the rounds", timings, "none")
     print(f"plain pinned copy of 256 MiB: D2H {pinned_d2h / GB:.1f} GB/s, "
           f"H2D {pinned_h2d / GB:.1f} GB/s")  # fmt: skip
     print(
@@ -225,7 +210,8 @@ def main() -> int:
             f"{d2h / GB:7.2f} {h2d / GB:7.2f} {bandwidth(d2h, d2h_s, pinned_d2h):>18s} "
             f"{bandwidth(h2d, h2d_s, pinned_h2d):>18s}"
         )
-    print(f"tensorhooks / torch step time: {median['tensorhooks'] / median['torch']:.3f}")
+    ratio = timings.ratio("tensorhooks", "torch")
+    print(f"tensorhooks / torch step time, per round: {ratio.format(digits=3)}")
     return 0
 
 

@@ -10,9 +10,10 @@ fwd+bwd+AdamW step at a time, under each setting that can run, all in one proces
 - ``fsdp2``: torch's fully_shard(layer, offload_policy=CPUOffloadPolicy()) per layer and on the
   root, on a one-process group.
 
-Prints, per setting: the median step time over interleaved rounds (harness.py) and its ratio to
-``tensorhooks``; the peak device memory of a step; and the two largest blocks' parameter bytes,
-the target bound for the parameters' share of the peak. Without CUDA it says so and exits 0.
+Prints, per setting: the median step time over interleaved rounds (harness.py, CUDA events) with
+its range, and its per-round ratio to ``tensorhooks``; the peak device memory of a step; and the
+two largest blocks' parameter bytes, the target bound for the parameters' share of the peak.
+Without CUDA it prints ``skipped:`` and why, and exits 0.
 
 Run: python benchmarks/offload_parameters.py [--layers 24] [--d 2048] [--seq 1024] [--batch 4]
 """
@@ -27,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 from harness import FusedAttentionBlock as Block
-from harness import interleaved_medians, print_table
+from harness import interleaved, print_table, skip
 from torch import nn
 
 import tensorhooks
@@ -122,8 +123,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("offload_parameters benchmark: no CUDA device, skipped")
-        return 0
+        skip("offload_parameters.py needs a CUDA device; none is available, nothing was measured")
     model = stack(args.layers, args.d)
     x = torch.randn(args.batch, args.seq, args.d, device="cuda")
     block_bytes = sorted(
@@ -150,8 +150,10 @@ def main() -> int:
     print("|---|---:|")
     for name, peak in peaks.items():
         print(f"| {name} | {peak:.0f} |")
-    medians = interleaved_medians(steps, rounds=args.rounds, inner=1, warmup=1)
-    print_table("step time (fwd + bwd + AdamW)", medians, baseline="tensorhooks")
+    # CUDA events rather than Timer: Timer would pin the host to one thread, and the offloaded
+    # variants run AdamW on the host.
+    timings = interleaved(steps, rounds=args.rounds, inner=1, warmup=1, cuda_events=True)
+    print_table("step time (fwd + bwd + AdamW)", timings, baseline="tensorhooks")
     return 0
 
 

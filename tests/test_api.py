@@ -323,12 +323,6 @@ def test_operator_accessors() -> None:
 
 # --- Module docstrings ----------------------------------------------------------------------
 
-# Modules whose docstrings still hold a NOTE block, owned by other work in progress. Empty this
-# as they move out; a module not listed here fails the test below.
-NOTE_BLOCKS_PENDING = {
-    "tensorhooks.cli._harness",
-}
-
 
 def test_no_note_block_in_a_module_docstring() -> None:
     """``# NOTE [...]`` blocks are comments, not docstring text (help() renders them as titles)."""
@@ -339,7 +333,7 @@ def test_no_note_block_in_a_module_docstring() -> None:
         if re.search(r"^# NOTE \[", doc, re.M):
             parts = path.relative_to(ROOT).with_suffix("").parts
             found.add(".".join(parts))
-    assert found - NOTE_BLOCKS_PENDING == set()
+    assert found == set()
 
 
 def test_note_references_have_a_block() -> None:

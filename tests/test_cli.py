@@ -14,10 +14,20 @@ import torch
 from tensorhooks.cli import _main
 from tensorhooks.cli._bench import BenchOptions, run_bench
 from tensorhooks.cli._demo import CASES, Demo, DemoConfig, Row, run_demo
-from tensorhooks.cli._harness import Spread, Timings, check_target, interleaved, verdict
+from tensorhooks.cli._harness import (
+    Spread,
+    Timings,
+    check_target,
+    cuda_event_seconds,
+    interleaved,
+    verdict,
+)
 from tensorhooks.cli._main import main
 from tensorhooks.cli._models import ModelConfig
 from tensorhooks.cli._render import make_console, show_demo
+from tensorhooks.cli._sync_bench import SyncConfig
+
+from .params_device import HostCloneTransfer
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ModelConfig(batch=2, seq=8, d_model=16, heads=2, layers=2, vocab=32)
@@ -160,6 +170,30 @@ class TestHarness:
         assert done == [1, 2, 3]
         assert calls["a"] == calls["b"] >= 12
 
+    def test_warmup_and_before_each(self) -> None:
+        """Warm-up calls run first, in order; before_each runs before every variant's timing."""
+        log: list[str] = []
+        interleaved(
+            {"a": lambda: log.append("a"), "b": lambda: log.append("b")},
+            rounds=2,
+            inner=1,
+            warmup=2,
+            before_each=lambda: log.append("|"),
+        )
+        assert log[:4] == ["a", "b", "a", "b"]
+        assert log.count("|") == 4
+        # Every timing (warm-up calls of Timer included) comes after its own before_each.
+        timed = "".join(log[4:]).split("|")[1:]
+        assert [set(chunk) for chunk in timed] == [{"a"}, {"b"}, {"b"}, {"a"}]
+
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events need a CUDA device")
+    def test_cuda_event_seconds_times_device_work(self) -> None:
+        """A step that keeps the device busy longer reads as longer."""
+        x = torch.randn(1024, 1024, device="cuda")
+        short = cuda_event_seconds(lambda: x @ x, inner=3)
+        long = cuda_event_seconds(lambda: [x @ x for _ in range(20)], inner=3)
+        assert 0 < short < long
+
     def test_missed_target_says_so(self, capsys: pytest.CaptureFixture[str]) -> None:
         """A missed target prints TARGET MISSED with the bound."""
         assert not check_target("ratio", 1.2, at_most=1.1)
@@ -172,27 +206,57 @@ class TestHarness:
 
 class TestBench:
     def test_report_chart_and_skipped_gpu(self, tmp_path: Path) -> None:
-        """The bench writes a table with spreads, says the GPU part was skipped, draws a PNG."""
+        """The bench writes a table with spreads, says what it skipped and why, draws a PNG."""
         stream = io.StringIO()
-        options = BenchOptions(out=tmp_path, rounds=1, steps=1, gpu=False)
+        options = BenchOptions(out=tmp_path, rounds=1, steps=1, gpu=False, processes=False)
         assert run_bench(options, stream, width=80) == 0
         markdown = (tmp_path / "benchmarks.md").read_text()
         for mode in (
             "saved_tensors_hooks",
             "register_multi_grad_hook",
             "save_on_cpu (CPU tensors)",
+            "checkpoint (non-reentrant)",
         ):
             assert re.search(
-                rf"^\| {re.escape(mode)} \| \d\.\d\dx \(\d\.\d\d-\d\.\d\d\) \|", markdown, re.M
-            )
+                rf"^\| {re.escape(mode)} \| \d+\.\d\dx \(\d+\.\d\d-\d+\.\d\d\) \|",
+                markdown,
+                re.M,
+            ), mode
+        assert re.search(
+            r"^\| checkpoint \(non-reentrant\) .*\(at most 1\.05\) \|$", markdown, re.M
+        )
         assert "| reference: no-op TorchDispatchMode |" in markdown
-        assert "Skipped: --no-gpu." in markdown
+        assert (
+            "Command: `python -m tensorhooks bench --rounds 1 --steps 1 --no-processes " in markdown
+        )
+        assert "sync_gradients against DDP: skipped: --no-processes." in markdown
+        assert markdown.count("Skipped: --no-gpu.") == 2  # save_on_cpu and offload_parameters
         assert "Lower is better" in markdown
         assert (tmp_path / "benchmarks.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
         output = stream.getvalue()
         assert max(len(line) for line in output.splitlines()) <= 80
+        assert "…" not in output
         assert "│ allow_mutation_on_saved_tensors" in output
+        assert "│ checkpoint (non-reentrant)" in output
         assert re.search(r"^(target met|TARGET MISSED): allow_mutation", output, re.M)
+        assert re.search(r"^(target met|TARGET MISSED): checkpoint \(non-reentrant\)", output, re.M)
+        for line in (
+            "skipped: sync_gradients (--no-processes)",
+            "skipped: CUDA save_on_cpu (--no-gpu)",
+            "skipped: CUDA offload_parameters (--no-gpu)",
+        ):
+            assert re.search(rf"^{re.escape(line)}$", output, re.M), line
+
+    @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip without CUDA")
+    def test_gpu_parts_say_no_cuda(self, tmp_path: Path) -> None:
+        """Without CUDA (and without --no-gpu) both CUDA parts are skipped for that reason."""
+        stream = io.StringIO()
+        assert main(["bench", "--rounds", "1", "--steps", "1", "--no-processes", "--out",
+                     str(tmp_path)], stream) == 0  # fmt: skip
+        output = stream.getvalue()
+        assert "skipped: CUDA save_on_cpu (no CUDA device)" in output
+        assert "skipped: CUDA offload_parameters (no CUDA device)" in output
+        assert (tmp_path / "benchmarks.md").read_text().count("Skipped: no CUDA device.") == 2
 
     def test_offload_benchmark_runs_on_cpu(self) -> None:
         """The offload benchmark's code path runs on CPU (peak memory reads 0 there)."""
@@ -205,6 +269,38 @@ class TestBench:
             "tensorhooks save_on_cpu",
         ]
         assert all(row.step.median > 0 and row.peak_bytes == 0 for row in rows)
+
+    def test_offload_parameters_benchmark_streams_every_step(self) -> None:
+        """The offload_parameters part times a model whose blocks really are streamed."""
+        from tensorhooks.cli._bench import run_offload_parameters
+
+        transfer = HostCloneTransfer()
+        rows = run_offload_parameters(BenchOptions(Path("."), rounds=2, steps=4), SMALL, transfer)
+        assert [row.mode for row in rows] == ["resident", "tensorhooks offload_parameters"]
+        assert all(row.step.median > 0 and row.peak_bytes == 0 for row in rows)
+        # 2 layers + embedding, final norm and head: 5 blocks; each step loads every block at
+        # least once (forward) and the warm-up and timed steps ran.
+        assert len(set(transfer.loads)) > 0
+        assert len(transfer.loads) >= 5 * (1 + 2 * 3)
+        assert transfer.alive() == set(), "device copies left alive after the handle was removed"
+
+    @pytest.mark.slow
+    def test_sync_gradients_part_on_two_processes(self) -> None:
+        """Two gloo processes: a row against DDP over the unsynchronised step, equal gradients."""
+        from tensorhooks.cli._bench import run_sync
+
+        config = SyncConfig(layers=2, width=32, batch=4, warmup=1)
+        row, described = run_sync(BenchOptions(Path("."), rounds=2, steps=2), config)
+        assert row.mode == "sync_gradients vs DDP (2 processes)"
+        for spread in (row.torch, row.ours, row.ours_over_torch):
+            assert spread is not None
+            assert 0 < spread.low <= spread.median <= spread.high
+        ((label, median, met, bound),) = row.targets
+        assert (label, bound) == ("x DDP", 1.10)
+        assert met == (median <= 1.10)
+        assert "2 rounds x 2 steps" in described
+        difference = float(re.search(r"vs DDP (\S+)$", described).group(1))  # type: ignore[union-attr]
+        assert difference < 1e-6
 
 
 class TestCommandLine:
@@ -279,16 +375,8 @@ class TestCommandLine:
 
 
 class TestBenchmarkScripts:
-    @pytest.mark.parametrize(
-        ("script", "args"),
-        [
-            ("hooks.py", ["--rounds", "1"]),
-            ("mutation.py", ["--rounds", "1"]),
-        ],
-    )
-    def test_runs_with_tiny_settings(self, script: str, args: list[str]) -> None:
-        """The script runs, prints ranges, and says whether each target was met."""
-        done = subprocess.run(
+    def _run(self, script: str, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
             [sys.executable, str(ROOT / "benchmarks" / script), *args],
             cwd=ROOT,
             capture_output=True,
@@ -296,8 +384,39 @@ class TestBenchmarkScripts:
             check=False,
             timeout=300,
         )
+
+    @pytest.mark.parametrize(
+        ("script", "args"),
+        [
+            ("hooks.py", ["--rounds", "1"]),
+            ("mutation.py", ["--rounds", "1"]),
+            ("checkpoint.py", ["--rounds", "1", "--quick"]),
+            pytest.param(
+                "sync_gradients.py",
+                ["--rounds", "1", "--inner", "1", "--layers", "2", "--width", "32"],
+                marks=pytest.mark.slow,
+            ),
+        ],
+    )
+    def test_runs_with_tiny_settings(self, script: str, args: list[str]) -> None:
+        """The script runs, prints medians with their range, and says whether targets were met."""
+        done = self._run(script, *args)
         assert done.returncode == 0, done.stderr
         assert re.search(r"^(target met|TARGET MISSED): ", done.stdout, re.M), done.stdout
+        # Every table of step times gives the median and the range of the rounds.
+        steps = re.findall(r"^\| [^|]+ \| (.+ ms .*) \| (.+x .*) \|$", done.stdout, re.M)
+        assert steps, done.stdout
+        for step, ratio in steps:
+            assert re.fullmatch(r"\d+\.\d+ ms \(\d+\.\d+-\d+\.\d+\)", step), step
+            assert re.fullmatch(r"\d+\.\d+x \(\d+\.\d+-\d+\.\d+\)", ratio), ratio
+
+    @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip without CUDA")
+    @pytest.mark.parametrize("script", ["offload_gpu.py", "offload_parameters.py"])
+    def test_gpu_scripts_say_skipped_without_cuda(self, script: str) -> None:
+        """A script that measured nothing prints the skipped: marker and exits 0."""
+        done = self._run(script)
+        assert done.returncode == 0, done.stderr
+        assert re.fullmatch(rf"skipped: {script} needs a CUDA device; .*\n", done.stdout)
 
     def test_harness_keeps_its_names(self) -> None:
         """benchmarks/harness.py re-exports the names scripts import from it."""
@@ -306,5 +425,5 @@ class TestBenchmarkScripts:
             import harness
         finally:
             sys.path.remove(str(ROOT / "benchmarks"))
-        for name in ("interleaved_medians", "print_table", "mlp", "interleaved", "skip"):
+        for name in ("cuda_event_seconds", "print_table", "mlp", "interleaved", "skip"):
             assert callable(getattr(harness, name)), name

@@ -1,13 +1,6 @@
 """The one timing harness of the demo, the bench and the scripts in ``benchmarks/``.
 
-# NOTE [How tensorhooks times things]
-#
-# Ratios, not absolute times: on a shared machine absolute times drift by tens of percent
-# between minutes, but variants timed in alternation drift together. Each round times every
-# variant once, in an order that rotates from round to round, with `torch.utils.benchmark.Timer`
-# (which warms the statement up, pins the number of intra-op threads, and synchronises CUDA).
-# A comparison is the per-round ratio of two variants, reported as its median with the lowest
-# and highest round beside it; a ratio whose range includes 1.00 is noise, never a win.
+See NOTE [How tensorhooks times things] below.
 """
 
 from __future__ import annotations
@@ -17,18 +10,34 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
+import torch
 from torch.utils.benchmark import Timer
 
 __all__ = [
     "Spread",
     "Timings",
     "check_target",
+    "cuda_event_seconds",
     "interleaved",
-    "interleaved_medians",
     "print_table",
     "skip",
     "verdict",
 ]
+
+# NOTE [How tensorhooks times things]
+#
+# Ratios, not absolute times: on a shared machine absolute times drift by tens of percent
+# between minutes, but variants timed in alternation drift together. Each round times every
+# variant once, in an order that rotates from round to round, with `torch.utils.benchmark.Timer`
+# (which warms the statement up, pins the number of intra-op threads, and synchronises CUDA).
+# A comparison is the per-round ratio of two variants, reported as its median with the lowest
+# and highest round beside it; a ratio whose range includes 1.00 is noise, never a win.
+#
+# On a GPU the same rounds can be timed with CUDA events instead (`cuda_event_seconds`): the
+# device time between two events on the current stream, host-side gaps included. Every
+# script and the bench time through `interleaved`, so a figure means the same wherever it is
+# printed; a script that measured nothing says `skip(...)`, one that checks a bound says
+# `check_target(...)`, and both print a marker at the start of a line that people and tests read.
 
 # Markers at the start of a line of a script's output, read by people and by tests.
 SKIPPED = "skipped:"
@@ -104,27 +113,68 @@ class Timings:
         return Spread.of([mine / theirs for mine, theirs in pairs])
 
 
+def cuda_event_seconds(fn: Callable[[], object], inner: int) -> float:
+    """Seconds per call of ``fn`` over ``inner`` calls, timed by CUDA events on the current stream.
+
+    One untimed call first (as ``Timer`` warms up); the events then bracket ``inner`` calls, and
+    the host waits for the second one.
+
+    Args:
+        fn: the step to time; it enqueues work on the current CUDA stream.
+        inner: calls between the two events.
+
+    Returns:
+        Device seconds between the events over ``inner``.
+    """
+    fn()
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # untyped in torch
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    start.record()
+    for _ in range(inner):
+        fn()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end)) / 1e3 / inner
+
+
 def interleaved(
     variants: Mapping[str, Callable[[], object]],
     *,
     rounds: int = 11,
     inner: int = 10,
     threads: int = 1,
+    warmup: int = 0,
+    cuda_events: bool = False,
+    before_each: Callable[[], object] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> Timings:
     """Time every variant ``inner`` calls per round, interleaved over ``rounds`` rounds.
 
+    Example:
+        >>> timings = interleaved({"a": lambda: None, "b": lambda: None}, rounds=3, inner=2)
+        >>> [len(timings.samples[name]) for name in ("a", "b")]
+        [3, 3]
+
     Args:
         variants: the callables to time, by name.
         rounds: rounds; each times every variant once, in an order rotating between rounds.
-        inner: calls per variant and round (``Timer`` adds its own warm-up calls before them).
-        threads: intra-op threads while timing (1: the project's CPU reference setting).
+        inner: calls per variant and round (a warm-up call or two come before them).
+        threads: intra-op threads while timing with ``Timer`` (1: the project's CPU reference
+            setting; ignored with ``cuda_events``).
+        warmup: calls of every variant, in order, before the first round (first-call costs:
+            allocator, lazy initialisation, autotuning).
+        cuda_events: time with `cuda_event_seconds` instead of ``torch.utils.benchmark.Timer``.
+        before_each: called before each variant is timed, e.g. a barrier that lines up the
+            processes of a distributed run so that none waits inside another's timing.
         progress: called with the number of the round just finished.
 
     Returns:
         Seconds per call of each variant, one sample per round.
     """
     names = list(variants)
+    for _ in range(warmup):
+        for fn in variants.values():
+            fn()
     timers = {
         name: Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
         for name, fn in variants.items()
@@ -133,57 +183,45 @@ def interleaved(
     for index in range(rounds):
         shift = index % len(names)
         for name in names[shift:] + names[:shift]:
-            samples[name].append(timers[name].timeit(inner).mean)
+            if before_each is not None:
+                before_each()
+            if cuda_events:
+                samples[name].append(cuda_event_seconds(variants[name], inner))
+            else:
+                samples[name].append(timers[name].timeit(inner).mean)
         if progress is not None:
             progress(index + 1)
     return Timings(samples)
 
 
-def interleaved_medians(
-    variants: Mapping[str, Callable[[], object]],
-    *,
-    rounds: int = 30,
-    inner: int = 10,
-    warmup: int = 3,
-) -> dict[str, float]:
-    """Median seconds per call of each variant, measured with `interleaved`.
+def print_table(title: str, timings: Timings, baseline: str, *, file: TextIO | None = None) -> None:
+    """Print each variant's median step with its range, and its per-round ratio to ``baseline``.
 
-    ``warmup`` calls of every variant run first (``Timer`` warms up each round as well).
-    """
-    for _ in range(warmup):
-        for fn in variants.values():
-            fn()
-    timings = interleaved(variants, rounds=rounds, inner=inner)
-    return {name: timings.median(name) for name in variants}
-
-
-def print_table(
-    title: str, medians: Mapping[str, float] | Timings, baseline: str, *, file: TextIO | None = None
-) -> None:
-    """Print each variant's median step, its spread, and its ratio to ``baseline``.
+    Example:
+        >>> print_table("t", Timings({"a": [0.002, 0.004], "b": [0.002, 0.002]}), "b")
+        <BLANKLINE>
+        t
+        | variant | median step (ms, min-max) | ratio to b (min-max) |
+        |---|---:|---:|
+        | a | 3.000 ms (2.000-4.000) | 1.500x (1.000-2.000) |
+        | b | 2.000 ms (2.000-2.000) | 1.000x (1.000-1.000) |
 
     Args:
         title: a line printed above the table.
-        medians: `Timings` (spread and per-round ratios shown) or medians by name.
+        timings: what `interleaved` measured.
         baseline: the variant the ratios are taken against.
         file: where to print (standard output by default).
     """
     print(f"\n{title}", file=file)
-    if isinstance(medians, Timings):
-        print(
-            f"| variant | median step (ms, min-max) | ratio to {baseline} (min-max) |",
-            file=file,
-        )
-        print("|---|---:|---:|", file=file)
-        for name in medians.samples:
-            step = medians.spread(name).format(" ms", scale=1e3, digits=3)
-            ratio = medians.ratio(name, baseline).format(digits=3)
-            print(f"| {name} | {step} | {ratio} |", file=file)
-        return
-    print(f"| variant | median step (ms) | ratio to {baseline} |", file=file)
+    print(
+        f"| variant | median step (ms, min-max) | ratio to {baseline} (min-max) |",
+        file=file,
+    )
     print("|---|---:|---:|", file=file)
-    for name, seconds in medians.items():
-        print(f"| {name} | {seconds * 1e3:.3f} | {seconds / medians[baseline]:.3f} |", file=file)
+    for name in timings.samples:
+        step = timings.spread(name).format(" ms", scale=1e3, digits=3)
+        ratio = timings.ratio(name, baseline).format(digits=3)
+        print(f"| {name} | {step} | {ratio} |", file=file)
 
 
 def check_target(

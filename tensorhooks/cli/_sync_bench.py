@@ -1,0 +1,140 @@
+"""sync_gradients against DistributedDataParallel on two local gloo processes, defined once.
+
+The bench (``python -m tensorhooks bench``) and ``benchmarks/sync_gradients.py`` both run
+`run_two_processes`: two processes on this machine, one intra-op thread each, train the same MLP
+(forward + backward + ``p.grad = None`` per step) wrapped in DDP, under ``sync_gradients``, and
+without any synchronisation (how much of the step is communication), timed in interleaved rounds
+by the one harness (see NOTE [How tensorhooks times things]), a barrier before each variant so
+that no process waits for the other inside a timing. Rank 0's timings come back.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ._harness import Timings, interleaved
+from ._models import mlp
+
+__all__ = ["SyncConfig", "SyncResult", "measure", "run_two_processes"]
+
+WORLD_SIZE = 2
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    """The model each process trains, and how long it is timed."""
+
+    layers: int = 6
+    width: int = 1024
+    batch: int = 32
+    bucket_cap_mb: float = 25.0
+    rounds: int = 30
+    inner: int = 3
+    warmup: int = 2
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """What rank 0 measured: step times of ``DDP``, ``sync_gradients`` and ``no sync (local)``."""
+
+    timings: Timings
+    difference: float  # largest |gradient difference| between DDP and sync_gradients
+    buckets: int  # sync_gradients' buckets
+    gradient_bytes: int
+
+    def describe(self, config: SyncConfig) -> str:
+        """The setting in one sentence."""
+        return (
+            f"MLP {config.layers} x Linear({config.width}, {config.width}), batch "
+            f"{config.batch} per process, {self.gradient_bytes / 2**20:.1f} MiB of float32 "
+            f"gradients, {WORLD_SIZE} gloo processes, {self.buckets} buckets, {config.rounds} "
+            f"rounds x {config.inner} steps; max |grad difference| sync_gradients vs DDP "
+            f"{self.difference:.1e}"
+        )
+
+
+def _step(model: nn.Module, batch: torch.Tensor) -> Callable[[], None]:
+    def run() -> None:
+        model(batch).sum().backward()
+        for param in model.parameters():
+            param.grad = None
+
+    return run
+
+
+def measure(config: SyncConfig, rank: int) -> SyncResult:
+    """Time the three variants in this process; the process group must be initialised."""
+    import torch.distributed as dist  # noqa: PLC0415  # only the worker processes need it
+    from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
+
+    from tensorhooks.distributed import sync_gradients  # noqa: PLC0415
+
+    base = mlp(config.layers, config.width)
+    ddp = DistributedDataParallel(copy.deepcopy(base))
+    ours = copy.deepcopy(base)
+    handle = sync_gradients(ours, bucket_cap_mb=config.bucket_cap_mb)
+    local = copy.deepcopy(base)
+    generator = torch.Generator().manual_seed(rank)
+    batch = torch.randn(config.batch, config.width, generator=generator)
+    variants = {
+        "DDP": _step(ddp, batch),
+        "sync_gradients": _step(ours, batch),
+        "no sync (local)": _step(local, batch),
+    }
+    timings = interleaved(
+        variants,
+        rounds=config.rounds,
+        inner=config.inner,
+        warmup=config.warmup,
+        before_each=dist.barrier,
+    )
+    # The two synchronised variants must agree, or the timing compares different work.
+    ddp(batch).sum().backward()
+    ours(batch).sum().backward()
+    difference = max(
+        float((a.grad - b.grad).abs().max())
+        for a, b in zip(ddp.module.parameters(), ours.parameters(), strict=True)
+    )
+    buckets = len(handle.buckets)
+    handle.remove()
+    del ddp
+    gc.collect()
+    gradient_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
+    return SyncResult(timings, difference, buckets, gradient_bytes)
+
+
+def _worker(rank: int, directory: str, config: SyncConfig) -> None:
+    """One of the two processes: join the group, measure, rank 0 writes the result."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    init = f"file://{Path(directory) / 'rendezvous'}"
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD_SIZE)
+    result = measure(config, rank)
+    if rank == 0:
+        torch.save(result, Path(directory) / "result.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_two_processes(config: SyncConfig) -> SyncResult:
+    """Start two gloo processes on this machine, time the variants, return rank 0's result.
+
+    Raises:
+        torch.multiprocessing.ProcessRaisedException: when a process raised (its traceback
+            is in the message).
+    """
+    from torch.multiprocessing.spawn import spawn  # noqa: PLC0415  # only this part needs it
+
+    with tempfile.TemporaryDirectory() as directory:
+        spawn(_worker, args=(directory, config), nprocs=WORLD_SIZE, join=True)  # type: ignore[no-untyped-call]
+        result: SyncResult = torch.load(Path(directory) / "result.pt", weights_only=False)
+    return result
