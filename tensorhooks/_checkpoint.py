@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar, overload
 
 import torch
+from torch.utils import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import CheckpointError
 
 from ._checkpoint_policy import SelectiveForward, adopt_contexts
@@ -793,12 +794,66 @@ def checkpoint(
     )
 
 
+# NOTE [Checkpointing under torch.compile]
+#
+# Traced by Dynamo, this checkpoint would break the graph around its hooks and RNG reads and have
+# the region's frame compiled: the forward pass would then save AOTAutograd's tensors while the
+# recomputation in backward runs the region eagerly and saves others, and early stop hides the
+# mismatch (a wrong gradient, nothing raised). torch's non-reentrant checkpoint is traced as one
+# higher-order op instead, and AOTAutograd recomputes inside the compiled graph. So while Dynamo
+# traces, the call goes to torch's checkpoint with the same options; a tensorhooks selective
+# context becomes torch's with the same policy (torch's enum, so its offload policies too).
+# Eager calls, and compiled functions called inside a checkpoint, are unaffected.
+
+
+def _torch_checkpoint(
+    function: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    options: dict[str, Any],
+) -> Any:
+    """Run torch's non-reentrant checkpoint with ``options`` (see the NOTE above)."""
+    context_fn: Callable[[], tuple[Any, ...]] = options["context_fn"]
+    # Dynamo takes a context_fn only as a plain or partial function; the default goes unsaid.
+    contexts = (
+        {}
+        if context_fn is noop_context_fn
+        else {"context_fn": functools.partial(_torch_contexts, context_fn)}
+    )
+    return torch_checkpoint.checkpoint(
+        function,
+        *args,
+        use_reentrant=False,
+        preserve_rng_state=options["preserve_rng_state"],
+        determinism_check=options["determinism_check"],
+        debug=options["debug"],
+        early_stop=options["early_stop"],
+        **contexts,
+        **kwargs,
+    )
+
+
+def _torch_contexts(context_fn: Callable[[], tuple[Any, ...]]) -> tuple[Any, ...]:
+    """``context_fn()``, with a tensorhooks selective context made torch's (same policy)."""
+    forward, recompute = context_fn()
+    if isinstance(forward, SelectiveForward):
+        plan = forward.plan
+        make = torch_checkpoint.create_selective_checkpoint_contexts
+        contexts: tuple[Any, ...] = make(  # type: ignore[no-untyped-call]  # untyped in torch
+            plan.policy_fn, plan.allow_cache_entry_mutation
+        )
+        return contexts
+    return forward, recompute
+
+
 def _checkpoint_with(
     function: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     options: dict[str, Any],
 ) -> Any:
+    if torch.compiler.is_compiling():  # See NOTE [Checkpointing under torch.compile]
+        return _torch_checkpoint(function, args, kwargs, options)
     preserve_rng_state: bool = options["preserve_rng_state"]
     context_fn: Callable[[], tuple[Any, ...]] = options["context_fn"]
     determinism_check: str = options["determinism_check"]

@@ -17,6 +17,7 @@ from torch import nn
 from torch.autograd.graph import Node
 from torch.utils.hooks import RemovableHandle
 
+from ._compile import not_traced
 from ._errors import ParameterOffloadStateError
 from ._guards import SavedCopy, is_output_of_saving_node, modified_error
 from ._late_grads import LANDING_ORDER, LateGrads
@@ -245,6 +246,7 @@ class _Streamer:
 
     # --- forward ------------------------------------------------------------------------------
 
+    @not_traced("offload_parameters")  # See NOTE [Contexts under torch.compile]
     def pre_forward(self, block: Block) -> None:
         """Hold the block, stage the next ones, push the saved-tensor pair while it runs."""
         window = range(block.index, block.index + self.prefetch + 1)
@@ -261,6 +263,7 @@ class _Streamer:
             context.__enter__()
         stack.append(context)
 
+    @not_traced("offload_parameters")
     def post_forward(self, block: Block, output: Any) -> None:
         """Pop the pair, drop the block's forward hold, drop autocast's casts of its weights."""
         context = self._pushed.stack.pop()
@@ -272,6 +275,7 @@ class _Streamer:
             # with no output): the blocks staged for what came next will not run now.
             self.unstage(range(block.index + 1, block.index + self.prefetch + 1))
 
+    @not_traced("offload_parameters")
     def post_model_forward(self) -> None:
         """The model's forward returned or raised: no block runs before the next one starts."""
         if current_graph_task_id() == -1:  # not a checkpoint's recomputation in backward

@@ -6,6 +6,7 @@ See NOTE [Contexts under torch.compile] in tensorhooks/_compile.py.
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from torch.autograd import graph as torch_graph
+from torch.utils.checkpoint import CheckpointPolicy
 
 import tensorhooks
 from tensorhooks import _compile
@@ -187,13 +189,6 @@ def test_compiled_model_inside_checkpoint_matches_torch() -> None:
         assert torch.allclose(mine, plain)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="WRONG GRADIENT: Dynamo breaks the graph around tensorhooks.checkpoint and compiles "
-    "the region's frame, so the forward saves AOTAutograd's tensors while the recomputation in "
-    "backward runs the region eagerly and saves others; early stop hides the count mismatch "
-    "(early_stop=False raises CheckpointError). See docs/compile.md",
-)
 def test_checkpoint_inside_compiled_function_matches_torch() -> None:
     """Called inside a compiled function, checkpoint gives the gradient torch's checkpoint does."""
     _, ours = checkpoint_graph_breaks(tensorhooks.checkpoint)
@@ -204,12 +199,6 @@ def test_checkpoint_inside_compiled_function_matches_torch() -> None:
     assert torch.allclose(ours, eager)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tensorhooks.checkpoint is traced into by Dynamo (graph breaks at torch.get_rng_state, "
-    "the saved-tensor hook builtins and a data-dependent guard; 12 on torch 2.13) where torch "
-    "traces its own checkpoint as one higher-order op with none; see docs/compile.md",
-)
 def test_checkpoint_inside_compiled_function_breaks_no_more_than_torch() -> None:
     """Inside a compiled function, checkpoint breaks the graph at most as often as torch's."""
     theirs, _ = checkpoint_graph_breaks(torch_checkpoint)
@@ -218,24 +207,40 @@ def test_checkpoint_inside_compiled_function_breaks_no_more_than_torch() -> None
     assert ours <= theirs
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="under fullgraph=True the error is Dynamo's about torch.get_rng_state, which does not "
-    "name tensorhooks.checkpoint; torch's checkpoint compiles; see docs/compile.md",
-)
-def test_checkpoint_under_fullgraph_compiles_or_names_itself() -> None:
-    """Under fullgraph=True checkpoint compiles as torch's does, or the error names it."""
+def test_checkpoint_under_fullgraph_compiles() -> None:
+    """Under fullgraph=True checkpoint compiles as torch's does, with the eager gradient."""
     dynamo.reset()
-    x = torch.randn(4, requires_grad=True)
-    torch.compile(checkpoint_program(torch_checkpoint), backend="eager", fullgraph=True)(x)
-    dynamo.reset()
+    x = torch.linspace(-1.0, 1.0, 5, requires_grad=True)
     compiled = torch.compile(
-        checkpoint_program(tensorhooks.checkpoint), backend="eager", fullgraph=True
+        checkpoint_program(tensorhooks.checkpoint), backend="aot_eager", fullgraph=True
     )
-    try:
-        compiled(x)
-    except Exception as error:  # Dynamo's Unsupported, or what tensorhooks raises
-        assert "tensorhooks.checkpoint" in str(error), str(error)[:300]  # noqa: PT017
+    (got,) = torch.autograd.grad(compiled(x).sum(), [x])
+    (eager,) = torch.autograd.grad(checkpoint_program(lambda f, y: f(y))(x).sum(), [x])
+    torch.testing.assert_close(got, eager)
+
+
+def test_selective_checkpoint_inside_compiled_function() -> None:
+    """Selective contexts of tensorhooks under compile become torch's, with the same policy."""
+    ran: list[object] = []
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        ran.append(op)
+        return (
+            CheckpointPolicy.MUST_SAVE
+            if op == torch.ops.aten.exp.default
+            else (CheckpointPolicy.PREFER_RECOMPUTE)
+        )
+
+    context_fn = functools.partial(tensorhooks.create_selective_checkpoint_contexts, policy)
+    run = checkpoint_program(functools.partial(tensorhooks.checkpoint, context_fn=context_fn))
+    x = torch.linspace(-1.0, 1.0, 5, requires_grad=True)
+    (eager,) = torch.autograd.grad(checkpoint_program(lambda f, y: f(y))(x).sum(), [x])
+    dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (got,) = torch.autograd.grad(torch.compile(run, backend="aot_eager")(x).sum(), [x])
+    torch.testing.assert_close(got, eager)
+    assert ran, "the policy was never asked"
 
 
 # --- offload_parameters -------------------------------------------------------------------------
@@ -271,12 +276,6 @@ def test_compiled_model_under_offload_parameters_matches_resident() -> None:
         assert torch.allclose(mine.grad, theirs.grad)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Dynamo traces into offload_parameters' forward hooks: under fullgraph=True the error "
-    "is 'Unsupported context manager' (its RLock), which does not name offload_parameters; "
-    "see docs/compile.md",
-)
 def test_offload_parameters_fullgraph_error_names_it() -> None:
     """Under fullgraph=True the error names offload_parameters."""
     dynamo.reset()
