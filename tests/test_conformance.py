@@ -72,6 +72,40 @@ def run_threads(fn: Callable[..., None], args: tuple[Any, ...], num_threads: int
 # ---------------------------------------------------------------------------------------------
 
 
+def backward_on_threads_failing_once(t2: torch.Tensor, t3: torch.Tensor) -> int:
+    """Backward of ``(x * t3).sum()`` on 5 threads, ``x`` a node whose first backward raises.
+
+    Mirrors the failing part of torch's multithreaded multi-grad tests; returns how many of the
+    threads' backward calls raised.
+    """
+    lock = threading.Lock()
+    errors = [0]
+    backward_calls = [0]
+
+    class FailsOnce(Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            with lock:
+                backward_calls[0] += 1
+                if backward_calls[0] == 1:
+                    raise RuntimeError("error message")
+            return grad
+
+    def backward_counting_errors(out: torch.Tensor) -> None:
+        try:
+            out.backward(inputs=(t2, t3), retain_graph=True)
+        except RuntimeError:
+            with lock:
+                errors[0] += 1
+
+    run_threads(backward_counting_errors, ((FailsOnce.apply(t2) * t3).sum(),), num_threads=5)
+    return errors[0]
+
+
 class TestSavedTensorsHooks:
     def test_saved_variable_packing_unpacking_saved_original_with_default_hooks(self) -> None:
         """Mirrors test_saved_variable_packing_unpacking_saved_original_with_default_hooks."""
@@ -1018,32 +1052,9 @@ class TestRegisterMultiGradHook:
 
         # One thread's backward fails part-way: its call never completes.
         state.update(res=None, count=0)
-        errors = [0]
-        backward_calls = [0]
-
-        class FailsOnce(Function):
-            @staticmethod
-            def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-                return x
-
-            @staticmethod
-            def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-                with lock:
-                    backward_calls[0] += 1
-                    if backward_calls[0] == 1:
-                        raise RuntimeError("error message")
-                return grad
-
-        def backward_counting_errors(out: torch.Tensor) -> None:
-            try:
-                out.backward(inputs=(t2, t3), retain_graph=True)
-            except RuntimeError:
-                with lock:
-                    errors[0] += 1
-
-        run_threads(backward_counting_errors, ((FailsOnce.apply(t2) * t3).sum(),), num_threads=5)
+        errors = backward_on_threads_failing_once(t2, t3)
         assert state == {"res": [False, True, True, False], "count": 4}
-        assert errors[0] == 1
+        assert errors == 1
         handle.remove()
 
     def test_multi_grad_any_hooks_threads(self) -> None:
@@ -1066,30 +1077,7 @@ class TestRegisterMultiGradHook:
 
         # One thread's backward fails, after the hook ran (it runs before the custom backward).
         count[0] = 0
-        errors = [0]
-        backward_calls = [0]
-
-        class FailsOnce(Function):
-            @staticmethod
-            def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-                return x
-
-            @staticmethod
-            def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-                with lock:
-                    backward_calls[0] += 1
-                    if backward_calls[0] == 1:
-                        raise RuntimeError("error message")
-                return grad
-
-        def backward_counting_errors(out: torch.Tensor) -> None:
-            try:
-                out.backward(inputs=(t2, t3), retain_graph=True)
-            except RuntimeError:
-                with lock:
-                    errors[0] += 1
-
-        run_threads(backward_counting_errors, ((FailsOnce.apply(t2) * t3).sum(),), num_threads=5)
+        errors = backward_on_threads_failing_once(t2, t3)
         assert count[0] == 5
-        assert errors[0] == 1
+        assert errors == 1
         handle.remove()
