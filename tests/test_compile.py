@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +18,7 @@ from torch.autograd import graph as torch_graph
 from torch.utils.checkpoint import CheckpointPolicy
 
 import tensorhooks
-from tensorhooks import _compile
+from tensorhooks import _compile, _torch_compat
 
 from .params_device import HostCloneTransfer
 
@@ -269,6 +270,10 @@ def test_compiled_model_under_offload_parameters_matches_resident() -> None:
         for _ in range(3):  # the first call compiles, the next ones reuse the graphs
             offloaded.zero_grad()
             compiled(x).square().sum().backward()
+            if _torch_compat.TORCH_VERSION < (2, 13):
+                # torch 2.11's compiled backward leaves the last block's weight copy in a
+                # reference cycle until the collector runs (2.13 and 2.15 free it at once).
+                gc.collect()
             assert transfer.alive() == set(), "a device copy outlived the step"
     assert len(transfer.loads) >= 3 * 3  # every step streamed the three Linear blocks
     resident(x).square().sum().backward()
