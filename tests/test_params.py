@@ -1,8 +1,13 @@
-"""Tests of offload_parameters: streaming logic on a stand-in device, errors, CUDA when present."""
+"""Tests of offload_parameters: streaming logic on a stand-in device, errors, CUDA when present.
+
+The key streaming tests take the ``transfer`` fixture and run twice: on the host stand-in, and
+(marked ``cuda``, skipped without a device) on a CUDA device through the real `CudaTransfer`.
+"""
 
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -12,11 +17,28 @@ from torch import nn
 
 import tensorhooks as th
 
-from .params_device import HostCloneTransfer
+from .params_device import HostCloneTransfer, TrackingCudaTransfer, TrackingTransfer
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 MODIFIED = "modified by an inplace operation"
+
+
+@pytest.fixture(
+    params=["host-clone", pytest.param("cuda", marks=[pytest.mark.cuda, requires_cuda])]
+)
+def transfer(request: pytest.FixtureRequest) -> TrackingTransfer:
+    """A fresh tracked transfer: the host stand-in, or CUDA's own copies when a device is here."""
+    if request.param == "cuda":
+        return TrackingCudaTransfer(torch.device("cuda", torch.cuda.current_device()))
+    return HostCloneTransfer()
+
+
+def tolerance(transfer: TrackingTransfer) -> dict[str, float]:
+    """Bit for bit on the host; on CUDA the host optimizer rounds unlike the resident one's."""
+    if transfer.device.type == "cpu":
+        return {"rtol": 0.0, "atol": 0.0}
+    return {"rtol": 1e-4, "atol": 1e-5}
 
 
 def block(width: int = 8) -> nn.Module:
@@ -36,7 +58,7 @@ def batch(rows: int = 3, width: int = 8, seed: int = 1) -> torch.Tensor:
 class Watcher:
     """Which blocks have "device" copies alive, checked at every copy, wait and block boundary."""
 
-    def __init__(self, transfer: HostCloneTransfer, handle: th.ParameterOffloadHandle) -> None:
+    def __init__(self, transfer: TrackingTransfer, handle: th.ParameterOffloadHandle) -> None:
         self.transfer = transfer
         self.block_of: dict[int, int] = {}
         for index, module in enumerate(handle.blocks):
@@ -70,61 +92,91 @@ class Watcher:
 
 
 def offload(
-    model: nn.Module, **kwargs: Any
-) -> tuple[th.ParameterOffloadHandle, HostCloneTransfer, Watcher]:
-    transfer = HostCloneTransfer()
+    model: nn.Module, transfer: TrackingTransfer | None = None, **kwargs: Any
+) -> tuple[th.ParameterOffloadHandle, TrackingTransfer, Watcher]:
+    if transfer is None:
+        transfer = HostCloneTransfer()
     handle = th.offload_parameters(model, transfer=transfer, **kwargs)
     transfer.loads.clear()
     return handle, transfer, Watcher(transfer, handle)
 
 
-def assert_same_grads(ours: nn.Module, resident: nn.Module) -> None:
+def assert_same_grads(
+    ours: nn.Module, resident: nn.Module, rtol: float = 0.0, atol: float = 0.0
+) -> None:
+    """Ours (host grads) equal the resident model's, wherever that one lives."""
     for (name, a), b in zip(ours.named_parameters(), resident.parameters(), strict=True):
         if b.grad is None:
             assert a.grad is None, name
         else:
             assert a.grad is not None, name
-            torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0, msg=name)
+            expected = b.grad.to(a.grad.device)
+            torch.testing.assert_close(a.grad, expected, rtol=rtol, atol=atol, msg=name)
 
 
-def assert_same_values(ours: nn.Module, resident: nn.Module) -> None:
+def assert_same_values(
+    ours: nn.Module, resident: nn.Module, rtol: float = 0.0, atol: float = 0.0
+) -> None:
     for (name, a), b in zip(ours.state_dict().items(), resident.state_dict().values(), strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(a, b.to(a.device), rtol=rtol, atol=atol, msg=name)
 
 
 def assert_all_on_host(handle: th.ParameterOffloadHandle, watcher: Watcher) -> None:
+    watcher.transfer.settle()
     assert watcher.blocks_alive() == set()
     for module in handle.blocks:
         for tensor in [*module.parameters(), *module.buffers()]:
+            assert tensor.device.type == "cpu"
             assert tensor.data_ptr() in watcher.block_of
+
+
+def await_failed_task(watcher: Watcher, timeout: float = 10.0) -> None:
+    """On a device, wait (bounded) for the engine to drop a graph task that raised.
+
+    On the host the engine drops it on the calling thread before backward returns; a device
+    thread may drop it a moment later, and the task's blocks go with it (see NOTE [Releasing
+    graph-task state]). The caller asserts afterwards, so a timeout still fails the test.
+    """
+    if watcher.transfer.device.type == "cpu":
+        return
+    deadline = time.monotonic() + timeout
+    while (th.live_graph_tasks() or watcher.blocks_alive()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    watcher.transfer.settle()
 
 
 class TestStreaming:
     @pytest.mark.parametrize("prefetch", [0, 1, 2])
-    def test_adamw_training_matches_resident(self, prefetch: int) -> None:
-        """Several AdamW steps give the resident model's grads and values, bit for bit."""
-        ours, resident = stack(), stack()
-        handle, _, watcher = offload(ours, prefetch=prefetch)
+    def test_adamw_training_matches_resident(
+        self, prefetch: int, transfer: TrackingTransfer
+    ) -> None:
+        """Several AdamW steps give the resident model's grads and values (bit for bit on host)."""
+        ours, resident = stack(), stack().to(transfer.device)
+        handle, _, watcher = offload(ours, transfer, prefetch=prefetch)
+        close = tolerance(transfer)
         opt_ours = torch.optim.AdamW(ours.parameters(), lr=0.1)
         opt_resident = torch.optim.AdamW(resident.parameters(), lr=0.1)
         for step in range(4):
-            x = batch(seed=step)
+            x = batch(seed=step).to(transfer.device)
             for model, opt in ((ours, opt_ours), (resident, opt_resident)):
                 opt.zero_grad()
                 model(x).square().sum().backward()
-            assert_same_grads(ours, resident)
+            assert_same_grads(ours, resident, **close)
             opt_ours.step()
             opt_resident.step()
-            assert_same_values(ours, resident)
+            assert_same_values(ours, resident, **close)
+        assert all(p.device.type == "cpu" for p in ours.parameters())
         assert_all_on_host(handle, watcher)
         handle.remove()
 
     @pytest.mark.parametrize("prefetch", [0, 1, 2])
-    def test_at_most_one_plus_prefetch_blocks_on_the_device(self, prefetch: int) -> None:
+    def test_at_most_one_plus_prefetch_blocks_on_the_device(
+        self, prefetch: int, transfer: TrackingTransfer
+    ) -> None:
         """At every copy, wait and block boundary, forward and backward: <= 1 + prefetch blocks."""
         ours = stack(blocks=6)
-        handle, _, watcher = offload(ours, prefetch=prefetch)
-        out = ours(batch())
+        handle, _, watcher = offload(ours, transfer, prefetch=prefetch)
+        out = ours(batch().to(transfer.device))
         forward_peak = watcher.peak
         assert watcher.blocks_alive() == set()  # the graph keeps no device copy
         out.sum().backward()
@@ -148,11 +200,11 @@ class TestStreaming:
         assert_all_on_host(handle, watcher)
         handle.remove()
 
-    def test_backward_loads_blocks_in_reverse_order(self) -> None:
+    def test_backward_loads_blocks_in_reverse_order(self, transfer: TrackingTransfer) -> None:
         """Forward loads blocks 0..n-1; backward loads them back n-1..0, each once."""
         ours = stack(blocks=5)
-        handle, transfer, watcher = offload(ours, prefetch=1)
-        out = ours(batch())
+        handle, _, watcher = offload(ours, transfer, prefetch=1)
+        out = ours(batch().to(transfer.device))
         assert watcher.load_order() == [0, 1, 2, 3, 4]
         transfer.loads.clear()
         out.sum().backward()
@@ -263,7 +315,7 @@ class TestBackwardVariants:
         assert_all_on_host(handle, watcher)
         handle.remove()
 
-    def test_failed_backward_leaves_nothing_behind(self) -> None:
+    def test_failed_backward_leaves_nothing_behind(self, transfer: TrackingTransfer) -> None:
         """A backward that raises leaves every block on the host, no state, .grad unchanged."""
 
         class Boom(torch.autograd.Function):
@@ -276,13 +328,14 @@ class TestBackwardVariants:
                 raise ValueError("boom")
 
         ours = stack()
-        handle, _, watcher = offload(ours)
-        ours(batch()).sum().backward()
+        handle, _, watcher = offload(ours, transfer)
+        ours(batch().to(transfer.device)).sum().backward()
         before = [p.grad.clone() for p in ours.parameters() if p.grad is not None]
-        hidden = ours[:2](batch())
+        hidden = ours[:2](batch().to(transfer.device))
         out = ours[2:](Boom.apply(hidden))
         with pytest.raises(ValueError, match="boom"):
             out.sum().backward()
+        await_failed_task(watcher)
         assert th.live_graph_tasks() == 0
         assert_all_on_host(handle, watcher)
         after = [p.grad for p in ours.parameters()]
