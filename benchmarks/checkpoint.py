@@ -114,6 +114,26 @@ def kept_bytes(blocks: nn.ModuleList, x: torch.Tensor, checkpoint: Any, **option
     return sum(storages.values())
 
 
+def _time_against_torch(
+    name: str, title: str, blocks: nn.ModuleList, x: torch.Tensor, rounds: int
+) -> None:
+    """Time a step of ``blocks`` checkpointed by torch and by tensorhooks; check the target."""
+    timings = interleaved(
+        {
+            "torch": step_fn(blocks, x, torch_ckpt),
+            "tensorhooks": step_fn(blocks, x, tensorhooks.checkpoint),
+        },
+        rounds=rounds,
+        warmup=3,
+    )
+    print_table(title, timings, "torch")
+    check_target(
+        f"{name}: tensorhooks / torch checkpoint",
+        timings.ratio("tensorhooks", "torch").median,
+        at_most=1.05,
+    )
+
+
 def time_ratios(rounds: int, quick: bool) -> None:
     torch.set_num_threads(1)
     layers = mlp(10 if quick else 50)
@@ -121,40 +141,14 @@ def time_ratios(rounds: int, quick: bool) -> None:
         nn.Sequential(layers[i], layers[i + 1]) for i in range(0, len(layers), 2)
     )
     x = torch.randn(8, 64, requires_grad=True)
-    timings = interleaved(
-        {
-            "torch": step_fn(mlp_blocks, x, torch_ckpt),
-            "tensorhooks": step_fn(mlp_blocks, x, tensorhooks.checkpoint),
-        },
-        rounds=rounds,
-        warmup=3,
-    )
     title = f"MLP, {len(mlp_blocks)} checkpointed layers, batch 8, {rounds} rounds"
-    print_table(title, timings, "torch")
-    check_target(
-        "MLP: tensorhooks / torch checkpoint",
-        timings.ratio("tensorhooks", "torch").median,
-        at_most=1.05,
-    )
+    _time_against_torch("MLP", title, mlp_blocks, x, rounds)
     torch.manual_seed(0)
     d, seq, n = (32, 16, 2) if quick else (128, 64, 4)
     blocks = nn.ModuleList(Block(d, 4) for _ in range(n))
     h = torch.randn(4, seq, d, requires_grad=True)
-    timings = interleaved(
-        {
-            "torch": step_fn(blocks, h, torch_ckpt),
-            "tensorhooks": step_fn(blocks, h, tensorhooks.checkpoint),
-        },
-        rounds=rounds,
-        warmup=3,
-    )
     title = f"transformer, {n} blocks, d={d}, seq={seq}, batch 4, {rounds} rounds"
-    print_table(title, timings, "torch")
-    check_target(
-        "transformer: tensorhooks / torch checkpoint",
-        timings.ratio("tensorhooks", "torch").median,
-        at_most=1.05,
-    )
+    _time_against_torch("transformer", title, blocks, h, rounds)
     print("\nSaved-activation bytes kept between forward and backward (transformer, CPU)")
     print("| policy | bytes | vs no checkpoint |")
     print("|---|---:|---:|")
