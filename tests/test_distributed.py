@@ -279,7 +279,10 @@ SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
 }
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def run_worker(
+    scenarios: dict[str, Callable[[int], dict[str, Any]]], rank: int, port: int, out_dir: str
+) -> None:
+    """One rank of `run_ranks`: join the gloo group, run ``scenarios``, write their results."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -289,7 +292,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         timeout=timedelta(seconds=60),
     )
     try:
-        results = {name: scenario(rank) for name, scenario in SCENARIOS.items()}
+        results = {name: scenario(rank) for name, scenario in scenarios.items()}
     finally:
         # DDP and handles sit in reference cycles: free them (and the gloo work they hold)
         # while the interpreter is whole, or gloo's threads can abort the exit.
@@ -859,4 +862,4 @@ class TestRemove:
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    run_worker(SCENARIOS, int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 import copy
-import gc
-import json
-import os
 import sys
 from collections.abc import Callable
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,10 +26,10 @@ from tensorhooks.distributed import GradientSyncHandle, sync_gradients
 from .params_device import HostCloneTransfer
 from .test_distributed import (
     TOLERANCE,
-    WORLD_SIZE,
     Net,
     _max_grad_difference,
     run_ranks,
+    run_worker,
     world_of_one,  # noqa: F401  # a fixture: pytest finds it by name in this module
 )
 
@@ -245,25 +240,6 @@ SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
     "reentrant": _scenario_reentrant,
     "offloaded": _scenario_offloaded,
 }
-
-
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=timedelta(seconds=60),
-    )
-    try:
-        results = {name: scenario(rank) for name, scenario in SCENARIOS.items()}
-    finally:
-        gc.collect()  # see tests/test_distributed.py's _worker
-        dist.destroy_process_group()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-    sys.stdout.flush()
-    os._exit(0)  # torch 2.13's gloo threads can abort interpreter shutdown
 
 
 @pytest.fixture(scope="module")
@@ -482,4 +458,4 @@ class TestOffloadedParametersOneRank:
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    run_worker(SCENARIOS, int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
