@@ -9,51 +9,51 @@ from importlib import metadata as _metadata
 from torch.utils.checkpoint import CheckpointError as CheckpointError
 
 from . import distributed as distributed
+from ._activation_offload import OffloadStats as OffloadStats
+from ._activation_offload import save_on_cpu as save_on_cpu
 from ._checkpoint import checkpoint as checkpoint
-from ._checkpoint import is_recomputing as is_recomputing
-from ._checkpoint_policy import (
+from ._checkpoint import (
     create_selective_checkpoint_contexts as create_selective_checkpoint_contexts,
 )
-from ._errors import CheckpointArgumentTypeError as CheckpointArgumentTypeError
-from ._errors import CheckpointArgumentValueError as CheckpointArgumentValueError
-from ._errors import GradientSyncError as GradientSyncError
-from ._errors import GraphTaskError as GraphTaskError
-from ._errors import HookArgumentTypeError as HookArgumentTypeError
-from ._errors import HookArgumentValueError as HookArgumentValueError
-from ._errors import InvalidHookArgumentError as InvalidHookArgumentError
-from ._errors import InvalidHookModeError as InvalidHookModeError
-from ._errors import InvalidOffloadOptionError as InvalidOffloadOptionError
-from ._errors import InvalidSyncArgumentError as InvalidSyncArgumentError
-from ._errors import MutationContextExitedError as MutationContextExitedError
-from ._errors import OffloadArgumentValueError as OffloadArgumentValueError
-from ._errors import OffloadCaptureError as OffloadCaptureError
-from ._errors import ParameterOffloadDeviceError as ParameterOffloadDeviceError
-from ._errors import ParameterOffloadStateError as ParameterOffloadStateError
-from ._errors import ParameterOffloadTypeError as ParameterOffloadTypeError
-from ._errors import ParameterOffloadValueError as ParameterOffloadValueError
-from ._errors import SavedTensorModifiedError as SavedTensorModifiedError
-from ._errors import SyncArgumentTypeError as SyncArgumentTypeError
-from ._errors import SyncArgumentValueError as SyncArgumentValueError
-from ._errors import TensorHooksError as TensorHooksError
-from ._errors import UnguardedHooksError as UnguardedHooksError
-from ._graph import GradientEdge as GradientEdge
-from ._graph import Node as Node
-from ._graph import get_gradient_edge as get_gradient_edge
-from ._graph import increment_version as increment_version
-from ._graph import torch_only_names as _torch_only_names
-from ._multigrad import register_multi_grad_hook as register_multi_grad_hook
+from ._checkpoint import is_recomputing as is_recomputing
+from ._core.errors import CheckpointArgumentTypeError as CheckpointArgumentTypeError
+from ._core.errors import CheckpointArgumentValueError as CheckpointArgumentValueError
+from ._core.errors import GradientSyncError as GradientSyncError
+from ._core.errors import GraphTaskError as GraphTaskError
+from ._core.errors import HookArgumentTypeError as HookArgumentTypeError
+from ._core.errors import HookArgumentValueError as HookArgumentValueError
+from ._core.errors import InvalidHookArgumentError as InvalidHookArgumentError
+from ._core.errors import InvalidHookModeError as InvalidHookModeError
+from ._core.errors import InvalidOffloadOptionError as InvalidOffloadOptionError
+from ._core.errors import InvalidSyncArgumentError as InvalidSyncArgumentError
+from ._core.errors import MutationContextExitedError as MutationContextExitedError
+from ._core.errors import OffloadArgumentValueError as OffloadArgumentValueError
+from ._core.errors import OffloadCaptureError as OffloadCaptureError
+from ._core.errors import ParameterOffloadDeviceError as ParameterOffloadDeviceError
+from ._core.errors import ParameterOffloadStateError as ParameterOffloadStateError
+from ._core.errors import ParameterOffloadTypeError as ParameterOffloadTypeError
+from ._core.errors import ParameterOffloadValueError as ParameterOffloadValueError
+from ._core.errors import SavedTensorModifiedError as SavedTensorModifiedError
+from ._core.errors import SyncArgumentTypeError as SyncArgumentTypeError
+from ._core.errors import SyncArgumentValueError as SyncArgumentValueError
+from ._core.errors import TensorHooksError as TensorHooksError
+from ._core.errors import UnguardedHooksError as UnguardedHooksError
+from ._core.graph import GradientEdge as GradientEdge
+from ._core.graph import Node as Node
+from ._core.graph import get_gradient_edge as get_gradient_edge
+from ._core.graph import increment_version as increment_version
+from ._core.graph import torch_only_names as _torch_only_names
+from ._core.store import live_graph_tasks as live_graph_tasks
+from ._core.torch_compat import CheckpointPolicy as CheckpointPolicy
+from ._hooks import disable_saved_tensors_hooks as disable_saved_tensors_hooks
+from ._hooks import register_multi_grad_hook as register_multi_grad_hook
+from ._hooks import saved_tensors_hooks as saved_tensors_hooks
 from ._mutation import MutationContext as MutationContext
 from ._mutation import allow_mutation_on_saved_tensors as allow_mutation_on_saved_tensors
-from ._offload import OffloadStats as OffloadStats
-from ._offload import save_on_cpu as save_on_cpu
-from ._params import ParameterOffloadHandle as ParameterOffloadHandle
-from ._params import offload_parameters as offload_parameters
-from ._params_transfer import CudaTransfer as CudaTransfer
-from ._params_transfer import ParameterTransfer as ParameterTransfer
-from ._saved import disable_saved_tensors_hooks as disable_saved_tensors_hooks
-from ._saved import saved_tensors_hooks as saved_tensors_hooks
-from ._store import live_graph_tasks as live_graph_tasks
-from ._torch_compat import CheckpointPolicy as CheckpointPolicy
+from ._parameter_offload import CudaTransfer as CudaTransfer
+from ._parameter_offload import ParameterOffloadHandle as ParameterOffloadHandle
+from ._parameter_offload import ParameterTransfer as ParameterTransfer
+from ._parameter_offload import offload_parameters as offload_parameters
 
 try:
     __version__ = _metadata.version("tensorhooks")

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from tensorhooks._offload_engines import use_copy_engine_provider
+from tensorhooks._activation_offload.copy_engines import use_copy_engine_provider
 
 
 class SimStream:
@@ -40,7 +40,7 @@ class SimEvent:
 
 
 class SimulatedEngine:
-    """A `tensorhooks._offload_engines.CopyEngine` over CPU tensors, with a lazy side stream.
+    """A `CopyEngine` (tensorhooks._activation_offload.copy_engines) over CPU tensors, lazily.
 
     Copies are queued and run when some stream waits on their event, the latest a real side
     stream may run them. So a write that the caller fails to order after a copy changes the

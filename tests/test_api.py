@@ -17,7 +17,8 @@ import torch.utils.checkpoint
 
 import tensorhooks
 import tensorhooks.testing
-from tensorhooks import _errors, _torch_compat
+from tensorhooks._core import errors as _errors
+from tensorhooks._core import torch_compat as _torch_compat
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = "\n".join(page.read_text() for page in sorted((ROOT / "docs").glob("*.md")))

@@ -62,7 +62,7 @@ def public_names(init: Path = Path("tensorhooks/__init__.py")) -> list[str]:
         for node in tree.body
         if isinstance(node, ast.ImportFrom)
         and (
-            node.module in ("_graph", "_torch_compat")
+            node.module in ("_core.graph", "_core.torch_compat")
             or (node.level == 0 and str(node.module).startswith("torch"))
         )
         for alias in node.names

@@ -32,7 +32,7 @@ from torch.utils import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import CheckpointPolicy
 
 import tensorhooks
-from tensorhooks._torch_compat import TorchDispatchMode
+from tensorhooks._core.torch_compat import TorchDispatchMode
 
 from ._harness import Spread, interleaved
 from ._models import ModelConfig, TinyTransformer, backward, make_batch, mlp

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812  # the conventional name
 from torch import nn
 
-from tensorhooks._torch_compat import TorchDispatchMode
+from tensorhooks._core.torch_compat import TorchDispatchMode
 
 __all__ = [
     "Block",

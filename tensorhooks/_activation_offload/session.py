@@ -1,0 +1,252 @@
+"""One entry into a save_on_cpu context: its options, what pack does, its copies in flight."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import threading
+
+import torch
+
+from tensorhooks._core.errors import (
+    HookArgumentTypeError,
+    OffloadArgumentValueError,
+    OffloadCaptureError,
+)
+from tensorhooks._core.guards import SaveGuard, is_output_of_saving_node
+
+from .copy_engines import CopyEngine, CopyEngineProvider
+from .pinned_pool import pool_of
+from .records import HostCopy, Offloaded, Timeline, copy_strides
+
+__all__ = ["OffloadOptions", "Session", "kept", "thread_timeline"]
+
+_Parameter = torch.nn.Parameter
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+# What a negative option is told to pass instead.
+_ZERO_MEANS = {
+    "min_offload_bytes": "copy tensors of every size",
+    "prefetch": "fetch each tensor only when backward unpacks it",
+    "max_in_flight": "order every copy before the ops that follow it",
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OffloadOptions:
+    """The options of one ``save_on_cpu`` instance, validated (see `validated`)."""
+
+    pin_memory: bool
+    device_type: str
+    min_offload_bytes: int
+    offload_parameters: bool
+    prefetch: int
+    max_in_flight: int
+
+    @classmethod
+    def validated(
+        cls,
+        pin_memory: object,
+        device_type: str,
+        *,
+        min_offload_bytes: int,
+        offload_parameters: bool,
+        prefetch: int,
+        max_in_flight: int,
+    ) -> OffloadOptions:
+        """Check the arguments of ``save_on_cpu`` (callers may pass any type) and build the record.
+
+        Raises:
+            HookArgumentTypeError: if an argument has the wrong type (a ``TypeError``).
+            OffloadArgumentValueError: if a number is negative or ``device_type`` is not a device
+                type (a ``ValueError``).
+        """
+        for name, value, kind in (
+            ("device_type", device_type, str),
+            ("offload_parameters", offload_parameters, bool),
+        ):
+            if not isinstance(value, kind):
+                raise HookArgumentTypeError(
+                    f"save_on_cpu: {name} must be a {kind.__name__}, got {value!r} of type "
+                    f"{type(value).__name__}"
+                )
+        for name, number in (
+            ("min_offload_bytes", min_offload_bytes),
+            ("prefetch", prefetch),
+            ("max_in_flight", max_in_flight),
+        ):
+            if not isinstance(number, int) or isinstance(number, bool):
+                raise HookArgumentTypeError(
+                    f"save_on_cpu: {name} must be an int, got {number!r} of type "
+                    f"{type(number).__name__}"
+                )
+            if number < 0:
+                raise OffloadArgumentValueError(
+                    f"save_on_cpu: {name} must be >= 0, got {number}; pass 0 to {_ZERO_MEANS[name]}"
+                )
+        _check_pin_memory_and_device_type(pin_memory, device_type)
+        return cls(
+            pin_memory=bool(pin_memory),  # torch takes any truthy value
+            device_type=device_type,
+            min_offload_bytes=min_offload_bytes,
+            offload_parameters=offload_parameters,
+            prefetch=prefetch,
+            max_in_flight=max_in_flight,
+        )
+
+
+def _check_pin_memory_and_device_type(pin_memory: object, device_type: str) -> None:
+    """Refuse what torch's ``save_on_cpu`` takes by mistake (see docs/differences.md)."""
+    # A str is truthy, so torch pins for pin_memory="false".
+    if isinstance(pin_memory, str):
+        raise HookArgumentTypeError(
+            f"save_on_cpu: pin_memory must be a bool, got {pin_memory!r} of type str; pass "
+            "True or False"
+        )
+    try:
+        device = torch.device(device_type)
+    except RuntimeError as error:  # torch silently falls back to torch.cuda here
+        raise OffloadArgumentValueError(
+            f"save_on_cpu: device_type {device_type!r} is not a device type: {error}. Pass "
+            "the type of the device your tensors are on, such as 'cuda' or 'xpu'"
+        ) from None
+    if device.type != device_type:  # "cuda:0"
+        raise OffloadArgumentValueError(
+            f"save_on_cpu: device_type must be a device type without an index, got "
+            f"{device_type!r}; pass {device.type!r}"
+        )
+
+
+def _capture_error(tensor: torch.Tensor) -> OffloadCaptureError:
+    return OffloadCaptureError(
+        f"save_on_cpu cannot offload a {tensor.type()} of shape {list(tensor.shape)} while the "
+        f"stream of {tensor.device} is being captured into a graph: replays would rewrite host "
+        "buffers that later saves reuse. Run the captured region outside save_on_cpu (its saved "
+        "tensors then stay on the device)."
+    )
+
+
+def kept(tensor: torch.Tensor) -> torch.Tensor:
+    """What pack returns for a tensor it does not copy: the tensor, or a detached alias of it.
+
+    The alias is for a tensor saved by the node that produced it (see
+    `is_output_of_saving_node`): holding the tensor itself would keep a graph dropped without
+    backward alive forever.
+    """
+    return tensor.detach() if is_output_of_saving_node(tensor) else tensor
+
+
+class _Timelines(threading.local):
+    def __init__(self) -> None:
+        self.by_device: dict[torch.device, Timeline] = {}
+
+
+_timelines = _Timelines()
+
+
+def thread_timeline(device: torch.device) -> Timeline:
+    """The calling thread's timeline of ``device``, made on first use."""
+    by_device = _timelines.by_device
+    timeline = by_device.get(device)
+    if timeline is None:
+        timeline = by_device[device] = Timeline()
+    return timeline
+
+
+_entry_numbers = itertools.count()
+
+
+class Session:
+    """One entry into a ``save_on_cpu`` context: its options and its copies still in flight.
+
+    ``max_in_flight`` is the options' unless ``guard`` lets saved tensors change
+    (``allow_mutation_on_saved_tensors``): changes are then expected, so each copy is ordered
+    before the ops that follow it (0).
+    """
+
+    def __init__(
+        self, options: OffloadOptions, guard: SaveGuard, provider: CopyEngineProvider
+    ) -> None:
+        if guard.lets_saved_tensors_change:
+            options = dataclasses.replace(options, max_in_flight=0)
+        self.options = options
+        self.provider = provider
+        self.cpu_is_device = provider.treats_cpu_as_device
+        self.pending: collections.deque[Offloaded] = collections.deque()
+        self.lock = threading.Lock()
+        self.entry = next(_entry_numbers)
+
+    @property
+    def prefetch(self) -> int:
+        """How many saved tensors backward copies back ahead of the one it unpacks."""
+        return self.options.prefetch
+
+    def pack(self, tensor: torch.Tensor) -> Offloaded | HostCopy | torch.Tensor:
+        """Copy ``tensor`` (a record), or return it (or a detached alias) when it stays."""
+        options = self.options
+        if tensor.is_cpu and not self.cpu_is_device:
+            return kept(tensor)
+        if not options.offload_parameters and (
+            isinstance(tensor, _Parameter) or isinstance(tensor._base, _Parameter)
+        ):
+            return kept(tensor)
+        dense = type(tensor) in _PLAIN_TYPES and tensor.layout == torch.strided
+        dense = dense and not tensor.is_nested and not tensor.is_quantized
+        if dense and tensor.numel() * tensor.element_size() < options.min_offload_bytes:
+            return kept(tensor)
+        device = tensor.device
+        timeline = thread_timeline(device)
+        record = timeline.find(tensor)
+        if record is not None:
+            return record
+        engine = self._engine(device) if dense else None
+        if engine is None:
+            record = self._copy(tensor, device, dense)
+        else:
+            if engine.capturing():
+                raise _capture_error(tensor)
+            record = Offloaded(tensor, engine, pool_of(engine), timeline, self)
+            timeline.records[record.seq] = record
+            with self.lock:
+                self.pending.append(record)
+                while len(self.pending) > options.max_in_flight:
+                    self.pending.popleft().fence()
+        timeline.remember(tensor, record)
+        return record
+
+    def _engine(self, device: torch.device) -> CopyEngine | None:
+        if not self.options.pin_memory:
+            return None
+        if device.type != self.options.device_type and not self.cpu_is_device:
+            return None
+        return self.provider.engine_for(device)
+
+    def _copy(self, tensor: torch.Tensor, device: torch.device, dense: bool) -> HostCopy:
+        source = tensor.detach()
+        pin_memory = self.options.pin_memory
+        if pin_memory and dense:
+            module = getattr(torch, self.options.device_type, torch.cuda)
+            if module.is_available():
+                host = torch.empty_strided(
+                    tuple(source.shape),
+                    copy_strides(source),
+                    dtype=source.dtype,
+                    device="cpu",
+                    pin_memory=True,
+                )
+                host.copy_(source, non_blocking=True)
+                return HostCopy(device, host, non_blocking=True)
+        return HostCopy(device, source.to("cpu", copy=True), non_blocking=pin_memory)
+
+    def fence_through(self, record: Offloaded) -> None:
+        """Fence the pending copies up to and including ``record``'s (they are in save order)."""
+        with self.lock:
+            while record.source is not None and self.pending:
+                self.pending.popleft().fence()
+
+    def close(self) -> None:
+        """Fence every pending copy: after the context, writes and reuse are ordered after them."""
+        with self.lock:
+            while self.pending:
+                self.pending.popleft().fence()

@@ -1,0 +1,377 @@
+"""Selective checkpointing: a policy decides, per op, to save, recompute or offload its output.
+
+See NOTE [Selective checkpointing in eager mode] below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointError, SelectiveCheckpointContext
+
+from tensorhooks._activation_offload import save_on_cpu
+from tensorhooks._core.errors import CheckpointArgumentTypeError, CheckpointArgumentValueError
+from tensorhooks._core.guards import PackHook, UnpackHook, current_save_guard
+from tensorhooks._core.torch_compat import (
+    CheckpointPolicy,
+    OpOverload,
+    TorchDispatchMode,
+    include_inplace_or_view_key,
+    torch_selective_checkpoint_modes,
+)
+
+__all__ = [
+    "SelectiveForward",
+    "SelectiveRecompute",
+    "adopt_contexts",
+    "create_selective_checkpoint_contexts",
+]
+
+# NOTE [Selective checkpointing in eager mode]
+#
+# Two dispatch modes share one `_Plan`. In the forward pass `_SelectiveForward` runs every op,
+# asks the policy about it and files what the policy chose under ``(op, call number)``:
+#
+#   *_SAVE        a detached alias of the output, behind the save guard of the thread (so under
+#                 ``allow_mutation_on_saved_tensors`` a later write leaves the save-time value,
+#                 and otherwise a write raises autograd's in-place error at recomputation);
+#   *_CPU_OFFLOAD the output packed by a ``save_on_cpu`` context (side-stream copy into pinned
+#                 host memory on a device, prefetch in backward); view ops are saved instead,
+#                 since a view holds no memory of its own;
+#   *_RECOMPUTE   nothing.
+#
+# In recomputation `_SelectiveRecompute` answers each filed op from the plan without running it
+# and runs the others. Entries are not consumed: a second backward over a graph kept with
+# ``retain_graph=True`` finds them again (torch raises there). A saved output that the region
+# itself changed in place later in the forward pass is handed out as a clone, so that the
+# recomputation's own write cannot reach the entry.
+#
+# The detached aliases matter for memory too: an op's output carries a ``grad_fn`` once the op
+# returns, and that node keeps the region's saved-tensor holders, which keep the plan.
+
+PolicyFn = Callable[..., Any]
+
+# By name: on torch releases whose enum lacks the offload members, tensorhooks has its own (see
+# `_core.torch_compat.CheckpointPolicy`), and policies may return either enum's members.
+_SAVE = frozenset({"MUST_SAVE", "PREFER_SAVE"})
+_OFFLOAD = frozenset({"MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD"})
+_RECOMPUTE = frozenset({"MUST_RECOMPUTE", "PREFER_RECOMPUTE"})
+
+# Ops checkpointing itself adds a different number of times in forward and recomputation, and
+# metadata queries: never counted, never cached (torch's list, where this torch has it).
+_IGNORED: frozenset[Any] = frozenset(
+    getattr(torch.utils.checkpoint, "SAC_IGNORED_OPS", {torch.ops.aten.detach.default})
+)
+
+
+def _make_policy_context(output: object) -> SelectiveCheckpointContext:
+    try:
+        return SelectiveCheckpointContext(is_recompute=False, op_output=output)
+    except TypeError:  # torch before 2.10 has no op_output
+        return SelectiveCheckpointContext(is_recompute=False)
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def _map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    """Apply ``fn`` to the tensors of an op's output (a tensor, or a flat tuple/list of them)."""
+    return _map(torch.Tensor, fn, value)
+
+
+def _map(kind: type, fn: Callable[[Any], Any], value: Any) -> Any:
+    if isinstance(value, kind):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        mapped = [_map(kind, fn, item) for item in value]
+        return tuple(mapped) if isinstance(value, tuple) else mapped
+    return value
+
+
+def _detach(tensor: torch.Tensor) -> torch.Tensor:
+    with include_inplace_or_view_key():
+        return tensor.detach()
+
+
+class _Slot:
+    """Where a tensor of an op's output sits, in the structure an `_Entry` files."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+class _Entry:
+    """One filed op output: its structure, what pack returned for each tensor, how to unpack."""
+
+    __slots__ = ("_pack", "aliases", "mutated", "packed", "structure", "unpack", "versions")
+
+    def __init__(self, output: Any, pack: PackHook, unpack: UnpackHook, *, watch: bool) -> None:
+        self.packed: list[Any] = []
+        self.aliases: list[torch.Tensor] | None = [] if watch else None
+        self._pack: PackHook | None = pack
+        self.structure = _map_tensors(self._file, output)
+        self._pack = None  # the entry outlives the forward pass; the pack hook need not
+        self.unpack = unpack
+        self.versions = None if self.aliases is None else [a._version for a in self.aliases]
+        self.mutated = False
+
+    def _file(self, tensor: torch.Tensor) -> _Slot:
+        alias = _detach(tensor)
+        if self.aliases is not None:
+            self.aliases.append(alias)
+        assert self._pack is not None
+        self.packed.append(self._pack(alias))
+        return _Slot(len(self.packed) - 1)
+
+    def seal(self) -> None:
+        """At the end of the forward pass: note whether the region changed the output since."""
+        if self.aliases is not None and self.versions is not None:
+            self.mutated = any(
+                alias._version != version
+                for alias, version in zip(self.aliases, self.versions, strict=True)
+            )
+            self.aliases = None  # the packed values keep what they need
+
+    def value(self) -> Any:
+        """The filed output, as a fresh clone if the region changes it in place."""
+        packed, unpack, mutated = self.packed, self.unpack, self.mutated
+
+        def restore(slot: _Slot) -> torch.Tensor:
+            tensor = unpack(packed[slot.index])
+            return tensor.clone() if mutated else tensor
+
+        return _map(_Slot, restore, self.structure)
+
+
+class _Plan:
+    """The policy, its options, and the outputs filed during one region's forward pass."""
+
+    def __init__(
+        self, policy_fn: PolicyFn, allow_cache_entry_mutation: bool, offload: save_on_cpu
+    ) -> None:
+        self.policy_fn = policy_fn
+        self.allow_cache_entry_mutation = allow_cache_entry_mutation
+        self.offload = offload
+        self.storage: dict[Any, list[_Entry | None]] = {}
+        self.save_pair: tuple[PackHook, UnpackHook] = (_identity, _identity)
+        self.offload_pair: tuple[PackHook, UnpackHook] = (offload.pack_hook, offload.unpack_hook)
+
+    def start(self) -> None:
+        """Take the save guard of the thread running the forward pass."""
+        guard = current_save_guard()
+        if not self.allow_cache_entry_mutation:
+            self.save_pair = guard.wrap(_identity, _identity)
+        self.offload_pair = guard.wrap(self.offload.pack_hook, self.offload.unpack_hook)
+
+    def file(self, func: OpOverload, policy: Any, output: Any) -> None:
+        """File ``output`` of ``func`` as ``policy`` says."""
+        if isinstance(policy, bool):  # torch accepts booleans: True saves
+            policy = CheckpointPolicy.MUST_SAVE if policy else CheckpointPolicy.PREFER_RECOMPUTE
+        entries = self.storage.setdefault(func, [])
+        name = policy.name if isinstance(policy, enum.Enum) else None
+        if name in _OFFLOAD and not func.is_view:
+            entries.append(_Entry(output, *self.offload_pair, watch=False))
+        elif name in _SAVE or name in _OFFLOAD:
+            entries.append(_Entry(output, *self.save_pair, watch=True))
+        elif name in _RECOMPUTE:
+            entries.append(None)
+        else:
+            raise CheckpointArgumentTypeError(
+                f"selective checkpoint: the policy returned {policy!r} of type "
+                f"{type(policy).__name__} for {func}; return a CheckpointPolicy or a bool"
+            )
+
+    def seal(self) -> None:
+        """At the end of the forward pass (see `_Entry.seal`)."""
+        for entries in self.storage.values():
+            for entry in entries:
+                if entry is not None:
+                    entry.seal()
+
+    def lookup(self, func: OpOverload, index: int) -> _Entry | None:
+        """The entry of call ``index`` of ``func``; None when the op is to be recomputed."""
+        entries = self.storage.get(func)
+        if entries is None or index >= len(entries):
+            raise CheckpointError(
+                f"tensorhooks.checkpoint: {func} (call {index}) ran during recomputation but not "
+                "in the forward pass. The checkpointed function must run the same ops in both: "
+                "check for randomness outside torch's generators or global state it reads."
+            )
+        return entries[index]
+
+
+class SelectiveForward(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
+    """The forward context of selective checkpointing (see NOTE [Selective checkpointing])."""
+
+    def __init__(self, plan: _Plan) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's __init__ is untyped
+        self.plan = plan
+
+    def offload_context(self) -> contextlib.AbstractContextManager[None]:
+        """The ``save_on_cpu`` entry around the region: its copies overlap the region's ops."""
+        return self.plan.offload
+
+    def __enter__(self) -> SelectiveForward:
+        self.plan.start()
+        super().__enter__()  # type: ignore[no-untyped-call]  # torch's __enter__ is untyped
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        super().__exit__(*args)  # type: ignore[no-untyped-call]  # torch's __exit__ is untyped
+        self.plan.seal()
+
+    def __torch_dispatch__(
+        self,
+        func: OpOverload,
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = {} if kwargs is None else kwargs
+        output = func(*args, **kwargs)
+        if func in _IGNORED:
+            return output
+        plan = self.plan
+        policy = plan.policy_fn(_make_policy_context(output), func, *args, **kwargs)
+        plan.file(func, policy, output)
+        return output
+
+
+class SelectiveRecompute(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
+    """The recomputation context of selective checkpointing: filed outputs are not recomputed."""
+
+    def __init__(self, plan: _Plan) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's __init__ is untyped
+        self.plan = plan
+        self._calls = threading.local()
+
+    def __enter__(self) -> SelectiveRecompute:
+        self._calls.counts = {}
+        super().__enter__()  # type: ignore[no-untyped-call]  # torch's __enter__ is untyped
+        return self
+
+    def __torch_dispatch__(
+        self,
+        func: OpOverload,
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = {} if kwargs is None else kwargs
+        if func in _IGNORED:
+            return func(*args, **kwargs)
+        counts: dict[Any, int] = self._calls.counts
+        index = counts.get(func, 0)
+        counts[func] = index + 1
+        entry = self.plan.lookup(func, index)
+        if entry is None:
+            return func(*args, **kwargs)
+        return entry.value()
+
+
+# One offloading context for policies that name none: every op output the policy offloads is
+# copied, whatever its size (it asked for it), into pinned memory where the device has any.
+_DEFAULT_OFFLOAD = save_on_cpu(pin_memory=True, min_offload_bytes=0)
+
+
+def create_selective_checkpoint_contexts(
+    policy_fn_or_list: PolicyFn | list[OpOverload],
+    allow_cache_entry_mutation: bool = False,
+    *,
+    offload: save_on_cpu | None = None,
+) -> tuple[SelectiveForward, SelectiveRecompute]:
+    r"""Return the two contexts that make `checkpoint` save, recompute or offload op by op.
+
+    Same arguments as `torch.utils.checkpoint.create_selective_checkpoint_contexts`. The policy
+    is called once per op in the forward pass (never in recomputation) and returns a
+    `CheckpointPolicy`: ``*_SAVE`` keeps the output, ``*_RECOMPUTE`` recomputes it, and
+    ``*_CPU_OFFLOAD`` keeps it in (pinned) host memory through `save_on_cpu` and copies it back
+    in backward without running the op again; torch's eager checkpoint recomputes those.
+
+    Example:
+        >>> import functools, torch, tensorhooks
+        >>> ops = [torch.ops.aten.mm.default]
+        >>> context_fn = functools.partial(tensorhooks.create_selective_checkpoint_contexts, ops)
+        >>> x = torch.ones(2, 3, requires_grad=True)
+        >>> w = torch.ones(3, 3, requires_grad=True)
+        >>> y = tensorhooks.checkpoint(lambda a: (a @ w).sin() @ w, x, context_fn=context_fn)
+        >>> y.sum().backward()         # the first mm is not run again, the sin is
+        >>> x.grad.shape
+        torch.Size([2, 3])
+
+    Args:
+        policy_fn_or_list: a function ``policy(ctx, op, *args, **kwargs)`` returning a
+            `CheckpointPolicy` (or a bool, True meaning save), or a list of ``OpOverload``\ s
+            to save (every other op is recomputed).
+        allow_cache_entry_mutation: let a saved output changed in place after the op be used as
+            changed; by default that raises autograd's in-place error in backward (inside
+            ``allow_mutation_on_saved_tensors`` the save-time value is used instead).
+        offload: the `save_on_cpu` context whose machinery keeps offloaded outputs (default:
+            ``save_on_cpu(pin_memory=True, min_offload_bytes=0)``).
+
+    Returns:
+        ``(forward_context, recompute_context)``, what ``context_fn`` of `checkpoint` returns.
+
+    Raises:
+        CheckpointArgumentValueError: if the list holds something other than an ``OpOverload``
+            (a ``ValueError``).
+        CheckpointArgumentTypeError: if ``policy_fn_or_list`` is neither callable nor a list, or
+            ``offload`` is not a `save_on_cpu` (a ``TypeError``).
+
+    Nesting and threads: build one pair per `checkpoint` call (a ``functools.partial`` as
+    ``context_fn`` does that). Recomputation on several threads at once is supported.
+    """
+    policy_fn: PolicyFn
+    if isinstance(policy_fn_or_list, list):
+        ops = list(policy_fn_or_list)
+        for op in ops:
+            if not isinstance(op, OpOverload):
+                raise CheckpointArgumentValueError(
+                    f"create_selective_checkpoint_contexts: expected OpOverloads in the list, got "
+                    f"{op!r} of type {type(op).__name__}; name an overload, such as "
+                    "torch.ops.aten.mm.default rather than torch.ops.aten.mm"
+                )
+        saved = frozenset(ops)
+
+        def policy_fn(ctx: object, op: OpOverload, *args: object, **kwargs: object) -> Any:
+            return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    elif callable(policy_fn_or_list):
+        policy_fn = policy_fn_or_list
+    else:
+        raise CheckpointArgumentTypeError(
+            "create_selective_checkpoint_contexts: policy_fn_or_list must be a function or a "
+            f"list of ops, got {policy_fn_or_list!r} of type {type(policy_fn_or_list).__name__}"
+        )
+    if offload is None:
+        offload = _DEFAULT_OFFLOAD
+    elif not isinstance(offload, save_on_cpu):
+        raise CheckpointArgumentTypeError(
+            f"create_selective_checkpoint_contexts: offload must be a tensorhooks.save_on_cpu, "
+            f"got {offload!r} of type {type(offload).__name__}"
+        )
+    plan = _Plan(policy_fn, bool(allow_cache_entry_mutation), offload)
+    return SelectiveForward(plan), SelectiveRecompute(plan)
+
+
+def adopt_contexts(forward: Any, recompute: Any) -> tuple[Any, Any]:
+    """Replace the contexts of torch's ``create_selective_checkpoint_contexts`` by ours.
+
+    Same policy and option, with ``*_CPU_OFFLOAD`` honoured. Other contexts pass unchanged.
+    """
+    modes = torch_selective_checkpoint_modes()
+    if modes is None or not isinstance(forward, modes[0]) or not isinstance(recompute, modes[1]):
+        return forward, recompute
+    policy_fn: PolicyFn = forward.policy_fn
+    return create_selective_checkpoint_contexts(
+        policy_fn,
+        bool(getattr(recompute, "allow_cache_entry_mutation", False)),
+    )

@@ -1,0 +1,201 @@
+"""The records `offload_parameters` streams (slots, blocks) and the checks of its arguments."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from tensorhooks._core.errors import (
+    ParameterOffloadDeviceError,
+    ParameterOffloadTypeError,
+    ParameterOffloadValueError,
+)
+
+from .transfers import CudaTransfer, ParameterTransfer
+
+__all__ = ["Block", "Slot", "build_blocks", "resolve_transfer"]
+
+
+def _copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A plain (unpinned, on the host) copy of ``tensor`` on ``device``, strides kept."""
+    copy = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
+    return copy.copy_(tensor)
+
+
+class Slot:
+    """One parameter or buffer streamed between host and device (see `streaming`).
+
+    ``tensor`` is the object the model holds; ``host`` its value between uses; ``holders`` how
+    many blocks hold it on the device; ``staged`` a device copy started ahead of use, valid while
+    ``tensor``'s version is still ``staged_version``.
+    """
+
+    __slots__ = (
+        "blocks",
+        "holders",
+        "host",
+        "is_param",
+        "original",
+        "staged",
+        "staged_token",
+        "staged_version",
+        "tensor",
+    )
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.is_param = isinstance(tensor, nn.Parameter)
+        self.original = tensor.device
+        self.host = tensor.data
+        self.holders = 0
+        self.staged: torch.Tensor | None = None
+        self.staged_token: object = None
+        self.staged_version = -1
+        self.blocks: list[Block] = []
+
+    def offload(self, transfer: ParameterTransfer) -> None:
+        """Move the value (and ``.grad``) into host memory the transfer can copy from."""
+        tensor = self.tensor
+        grad = tensor.grad if self.is_param else None
+        self.host = transfer.host_copy(tensor.data)
+        if grad is not None:
+            tensor.grad = None
+        tensor.data = self.host
+        if grad is not None:
+            tensor.grad = transfer.host_copy(grad)
+
+    def restore(self) -> None:
+        """Put the value (and ``.grad``) back on the device it was on before `offload`."""
+        self.staged = self.staged_token = None
+        tensor = self.tensor
+        grad = tensor.grad if self.is_param else None
+        if grad is not None:
+            tensor.grad = None
+        tensor.data = _copy_to(self.host, self.original)
+        if grad is not None:
+            tensor.grad = _copy_to(grad, self.original)
+
+
+class Block:
+    """A module whose slots move together, and who holds it on the device now."""
+
+    __slots__ = ("grad_params", "index", "module", "owners", "slot_ids", "slots")
+
+    def __init__(self, index: int, module: nn.Module, slots: list[Slot]) -> None:
+        self.index = index
+        self.module = module
+        self.slots = slots
+        self.slot_ids = frozenset(id(s) for s in slots)
+        self.grad_params: list[nn.Parameter] = [
+            s.tensor for s in slots if isinstance(s.tensor, nn.Parameter) and s.tensor.requires_grad
+        ]
+        self.owners: dict[object, int] = {}
+
+
+def _default_blocks(module: nn.Module) -> list[nn.Module]:
+    if isinstance(module, nn.ModuleList):
+        return list(module)
+    blocks: list[nn.Module] = []
+    for child in module.children():
+        blocks += list(child) if isinstance(child, nn.ModuleList) else [child]
+    return blocks
+
+
+def _check_blocks(module: nn.Module, blocks: list[nn.Module]) -> None:
+    if not blocks:
+        raise ParameterOffloadValueError(
+            f"offload_parameters: no blocks to stream in {type(module).__name__} (it has no "
+            "children); pass blocks=[...] with the submodules whose parameters move together"
+        )
+    submodules = {id(m) for m in module.modules()}
+    seen: dict[int, int] = {}
+    for index, block in enumerate(blocks):
+        if not isinstance(block, nn.Module):
+            raise ParameterOffloadTypeError(
+                f"offload_parameters: blocks[{index}] is {block!r} of type "
+                f"{type(block).__name__}, not an nn.Module; pass submodules of the model"
+            )
+        if id(block) not in submodules:
+            raise ParameterOffloadValueError(
+                f"offload_parameters: blocks[{index}] ({type(block).__name__}) is not a "
+                "submodule of the module given; pass only modules found in module.modules()"
+            )
+        if id(block) in seen:
+            raise ParameterOffloadValueError(
+                f"offload_parameters: blocks[{index}] is blocks[{seen[id(block)]}] again; list "
+                "each block once"
+            )
+        seen[id(block)] = index
+    for index, block in enumerate(blocks):
+        for inner in block.modules():
+            other = seen.get(id(inner))
+            if other is not None and other != index:
+                raise ParameterOffloadValueError(
+                    f"offload_parameters: blocks[{other}] ({type(inner).__name__}) is inside "
+                    f"blocks[{index}] ({type(block).__name__}), so its parameters would be in "
+                    "two blocks; pass blocks that do not contain one another (a parameter "
+                    "shared by two separate blocks is a tied weight, which is fine)"
+                )
+
+
+def build_blocks(
+    module: nn.Module, blocks: Sequence[nn.Module] | None, prefetch: int
+) -> list[Block]:
+    """Check the arguments and build the blocks, one slot per distinct parameter or buffer."""
+    if not isinstance(module, nn.Module):
+        raise ParameterOffloadTypeError(
+            f"offload_parameters: module must be an nn.Module, got {module!r} of type "
+            f"{type(module).__name__}"
+        )
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ParameterOffloadValueError(
+            f"offload_parameters: prefetch must be an int >= 0, got {prefetch!r}; pass 0 to copy "
+            "each block only when it starts"
+        )
+    modules = _default_blocks(module) if blocks is None else list(blocks)
+    _check_blocks(module, modules)
+    slots: dict[int, Slot] = {}
+    result = []
+    for index, block_module in enumerate(modules):
+        tensors = [*block_module.parameters(), *block_module.buffers()]
+        block_slots = [slots.setdefault(id(t), Slot(t)) for t in tensors]
+        block = Block(index, block_module, block_slots)
+        for slot in block_slots:
+            slot.blocks.append(block)
+        result.append(block)
+    return result
+
+
+def resolve_transfer(
+    device: torch.device | str | int | None,
+    pin_memory: bool,
+    transfer: ParameterTransfer | None,
+) -> ParameterTransfer:
+    """The transfer given, or a `CudaTransfer` to ``device`` (default: the current CUDA one)."""
+    if transfer is not None:
+        return transfer
+    if device is None:
+        if not torch.cuda.is_available():
+            raise ParameterOffloadDeviceError(
+                "offload_parameters: no CUDA device is available (torch.cuda.is_available() is "
+                "False) and device=None asks for the current one; run where a CUDA device is "
+                "visible, or pass transfer=... for another accelerator"
+            )
+        device = torch.cuda.current_device()
+    target = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if target.type != "cuda":
+        raise ParameterOffloadValueError(
+            f"offload_parameters: device={device!r} is not a CUDA device; parameters are "
+            "streamed to an accelerator from host memory: pass a CUDA device, or "
+            f"transfer=... implementing ParameterTransfer for {target.type!r}"
+        )
+    if not torch.cuda.is_available():
+        raise ParameterOffloadDeviceError(
+            f"offload_parameters: device={device!r} was asked for but no CUDA device is "
+            "available (torch.cuda.is_available() is False); run where one is visible, or "
+            "pass device=None on a machine with one"
+        )
+    index = torch.cuda.current_device() if target.index is None else target.index
+    return CudaTransfer(torch.device("cuda", index), pin_memory=bool(pin_memory))

@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import torch
+import torch.autograd.graph as torch_graph
+
+import tensorhooks
+from tensorhooks._core.graph import REIMPLEMENTED
+
+
+def test_every_torch_graph_name_resolves() -> None:
+    """Every name of the installed torch's torch.autograd.graph.__all__ is on tensorhooks."""
+    missing = [name for name in torch_graph.__all__ if not hasattr(tensorhooks, name)]
+    assert missing == []
+
+
+def test_names_tensorhooks_adds_nothing_to_are_torch_objects() -> None:
+    """Names tensorhooks does not reimplement are torch's own objects, not copies."""
+    for name in set(torch_graph.__all__) - REIMPLEMENTED:
+        assert getattr(tensorhooks, name) is getattr(torch_graph, name), name
+
+
+def test_reimplemented_names_are_tensorhooks_own() -> None:
+    """The five hook APIs are tensorhooks' implementations, each also in __all__."""
+    for name in REIMPLEMENTED:
+        assert getattr(tensorhooks, name) is not getattr(torch_graph, name), name
+        assert name in tensorhooks.__all__
+
+
+def test_all_stays_sorted_and_importable() -> None:
+    """__all__ stays sorted with the re-exports in, and every name in it imports."""
+    assert tensorhooks.__all__ == sorted(tensorhooks.__all__)
+    namespace: dict[str, object] = {}
+    exec("from tensorhooks import *", namespace)  # the star-import a user would write
+    assert set(tensorhooks.__all__) <= set(namespace)
+
+
+def test_reexports_work_on_tensorhooks_tensors() -> None:
+    """The re-exported helpers work on graphs built under tensorhooks' hooks."""
+    x = torch.ones(2, requires_grad=True)
+    with tensorhooks.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+        y = (x * x).sum()
+    edge = tensorhooks.get_gradient_edge(y)
+    assert isinstance(edge, tensorhooks.GradientEdge)
+    assert isinstance(edge.node, tensorhooks.Node)
+    (grad,) = torch.autograd.grad(y, x)
+    assert torch.equal(grad, 2 * x.detach())
