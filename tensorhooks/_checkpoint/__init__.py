@@ -1,10 +1,14 @@
 """checkpoint: activation checkpointing on saved-tensor hooks, with selective policies.
 
-- `checkpoint`: regions, their recomputation in backward, and the compiled path.
+- `region`: `checkpoint` itself: a call's options, its forward pass, the compiled path.
+- `recomputation`: a region's frame, what its forward saved, its recomputation in backward.
+- `arguments`: the tensors among a call's arguments, saved as inputs and put back.
+- `replay`: the RNG, autocast and default-device state replayed in recomputation.
 - `policies`: selective checkpointing, each op saved, recomputed or offloaded.
 """
 
 from .policies import create_selective_checkpoint_contexts
-from .region import checkpoint, is_recomputing
+from .recomputation import is_recomputing
+from .region import checkpoint
 
 __all__ = ["checkpoint", "create_selective_checkpoint_contexts", "is_recomputing"]

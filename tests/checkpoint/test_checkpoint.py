@@ -410,7 +410,7 @@ def test_saved_tensor_read_outside_backward() -> None:
 
 def test_inputs_saved_without_the_direct_entry(monkeypatch: pytest.MonkeyPatch) -> None:
     """On releases without a direct way to save inputs, a no-op Function saves them."""
-    import tensorhooks._checkpoint.region as module
+    import tensorhooks._checkpoint.arguments as module
 
     monkeypatch.setattr(module, "make_saved_tensor", None)
     w1, w2 = _weights()
@@ -564,7 +564,7 @@ def test_tensor_from_elsewhere_changed_before_backward_raises() -> None:
 
 def test_input_written_in_the_region_leaves_no_cycle() -> None:
     """A region that writes its input in place, then fails in backward, is collected."""
-    from tensorhooks._checkpoint.region import _Frame
+    from tensorhooks._checkpoint.recomputation import Frame as _Frame
 
     gc.collect()
     before = sum(type(obj) is _Frame for obj in gc.get_objects())
@@ -724,7 +724,7 @@ def test_forward_raising_inside_the_region_unwinds_its_contexts() -> None:
 
 def test_memory_is_flat_over_many_steps() -> None:
     """Thousands of steps leave no frames, holders or recomputed tensors behind."""
-    from tensorhooks._checkpoint.region import _Frame
+    from tensorhooks._checkpoint.recomputation import Frame as _Frame
 
     w1, w2 = _weights()
     for _ in range(2000):

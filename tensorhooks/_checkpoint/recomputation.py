@@ -1,0 +1,449 @@
+"""A region's frame: what its forward pass saved, and its recomputation in backward.
+
+See NOTE [Checkpointing on saved-tensor hooks].
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointError
+
+from tensorhooks._core.errors import SavedTensorModifiedError
+from tensorhooks._core.guards import (
+    SavedCopy,
+    current_save_guard,
+    modified_message,
+    register_protected_pack_hook,
+)
+from tensorhooks._core.store import graph_task_store
+from tensorhooks._core.torch_compat import (
+    PYTHON_DISPATCH_KEY,
+    current_graph_task_id,
+    is_dispatch_key_excluded,
+    pop_saved_tensors_hooks,
+    push_saved_tensors_hooks,
+    set_dispatch_key_excluded,
+)
+
+from .arguments import Arguments
+from .replay import RegionState
+
+__all__ = ["DETERMINISM_CHECKS", "Frame", "is_recomputing", "raise_changed_input", "unpack_holder"]
+
+# NOTE [Checkpointing on saved-tensor hooks]
+#
+# Inside a region the pack hook keeps no tensor: it returns a `_Holder` (the region's frame and
+# the save's position). The region's tensor inputs are saved the way a node saves them, through
+# whatever hooks are in force outside the region (``save_on_cpu`` offloads them, an enclosing
+# checkpoint holds them, user hooks see them). The first unpack of a holder in a graph task runs
+# the function again under a recomputation hook that keeps each saved tensor by position, and
+# stops (``_StopRecomputation``) once the last position is reached (early stop). What was
+# recomputed lives in the graph-task store under the frame, so it is released when the task ends
+# whether backward succeeded, raised part-way or stopped early, and a second backward over a
+# retained graph (a new task) recomputes again. Each position is handed out once per task.
+#
+# Inputs. Every tensor argument is an input of the region, however it is passed: positional,
+# keyword, or inside a list, tuple (named or not) or dict argument (`_Arguments` takes them out
+# and rebuilds those containers around the saved tensors in recomputation; a container with no
+# tensor in it is passed as itself). Keeping a keyword or nested tensor by reference instead
+# would let a write to it, inside the region or before backward, reach recomputation unseen:
+# a silently wrong gradient. Tensors inside other objects are tensors from elsewhere (below).
+#
+# Recomputation replays what the forward pass ran under: the CPU and device RNG states, the
+# autocast state of the CPU and of the inputs' device, the default device, and the second
+# context of ``context_fn``. It then checks (``determinism_check="default"``) that as many
+# tensors were saved as in the forward pass, with the same shape, dtype and device.
+#
+# In-place writes. The forward pass notes whether the function changes a tensor input in place;
+# recomputation then runs on clones of the inputs, so a second recomputation starts from the
+# same values. A recomputed tensor that the function changes in place after saving it (a write
+# inside the region) would reach backward changed: after each recomputation the kept tensors'
+# versions are compared with their versions when kept, and on a difference the recomputation
+# runs once more keeping clones (and keeps clones from then on). So backward always reads the
+# save-time value, where plain autograd would raise its in-place error and torch's checkpoint
+# silently uses the changed value.
+#
+# A cycle. An input that the forward pass changes in place gets a ``grad_fn`` inside the region,
+# whose nodes hold the holders, which hold the frame. Were the frame to hold the input still,
+# that cycle would run through autograd's C++ nodes, where the garbage collector cannot follow
+# it, and the graph would leak. Saved with no hooks in force, such an input can only raise
+# autograd's in-place error at unpack, so the frame keeps that error (with a detached alias for
+# its message) instead of the input.
+#
+# Tensors from elsewhere. A tensor that the function reaches other ways (a closure, a module
+# attribute) is read again by recomputation. The saved tensors still alive when the forward
+# pass ends are those (and the inputs, which their saved form checks); the frame keeps a weak
+# reference to each and its version then. One whose version moved before a recomputation was
+# changed in place in between; if recomputation saves that very tensor again, it read the
+# changed value, and the unpack of that position raises autograd's in-place error, as plain
+# autograd's unpack would (torch's checkpoint silently uses the changed value). Writes made by
+# the region itself, in the forward pass or a recomputation, count as the region's: a function
+# that writes the same values into a buffer on every run is not flagged.
+#
+# Both pairs are wrapped by the save guard of the thread that pushes them, like every pair of the
+# toolkit, and registered as protected: the region's pack keeps no tensor data, and the
+# recomputation's does the version check above itself.
+
+
+def _metadata(tensor: torch.Tensor) -> tuple[torch.Size, torch.dtype, torch.device]:
+    return tensor.shape, tensor.dtype, tensor.device
+
+
+def _no_metadata(tensor: torch.Tensor) -> None:
+    return None
+
+
+DETERMINISM_CHECKS: dict[str, Callable[[torch.Tensor], Any]] = {
+    "default": _metadata,
+    "none": _no_metadata,
+}
+
+
+class _StopRecomputation(Exception):  # noqa: N818 (a signal, not an error)
+    """Raised by the recomputation hook once every needed tensor is kept (early stop)."""
+
+
+class _Recomputing(threading.local):
+    def __init__(self) -> None:
+        self.depth = 0
+
+
+_recomputing = _Recomputing()
+
+
+def is_recomputing() -> bool:
+    """Whether this thread is running a checkpointed function again, in backward.
+
+    Forward hooks of modules run again during recomputation; hooks that register something
+    (tensor hooks on parameters, multi-grad hooks) check this to register once per forward.
+
+    Example:
+        >>> import torch, tensorhooks
+        >>> seen = []
+        >>> def block(x):
+        ...     seen.append(tensorhooks.is_recomputing())
+        ...     return x.sin()
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> tensorhooks.checkpoint(block, x).sum().backward()
+        >>> seen
+        [False, True]
+
+    Returns:
+        True inside a recomputation on this thread.
+    """
+    return _recomputing.depth > 0
+
+
+class _Holder(SavedCopy):
+    """What the region's pack hook returns: its frame and the position of the save."""
+
+    __slots__ = ("__weakref__", "frame", "index")
+
+    def __init__(self, frame: Frame, index: int) -> None:
+        self.frame = frame
+        self.index = index
+
+
+class _Outside:
+    """A tensor the forward pass saved that outlived it (a closure's, a module's), by position.
+
+    See NOTE [Checkpointing on saved-tensor hooks], "Tensors from elsewhere".
+    """
+
+    __slots__ = ("ref", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.ref = weakref.ref(tensor)
+        self.version = tensor._version  # as the region's runs left it
+
+
+class _Recomputation:
+    """One graph task's recomputation of one region: the tensors kept, by position."""
+
+    __slots__ = ("count", "done", "ignore_mismatch", "kept", "lock", "moved", "stale", "tensors")
+
+    def __init__(self) -> None:
+        self.tensors: dict[int, torch.Tensor] = {}
+        # Positions of tensors from elsewhere changed since the forward pass: (now, expected).
+        self.moved: dict[int, tuple[int, int]] = {}
+        self.stale: dict[int, tuple[int, int]] = {}  # those of them recomputation read again
+        self.kept: list[tuple[torch.Tensor, int]] = []
+        self.count = 0
+        self.done = False
+        self.ignore_mismatch = False
+        self.lock = threading.RLock()
+
+    def reset(self) -> None:
+        self.tensors.clear()
+        self.stale.clear()
+        self.kept.clear()
+        self.count = 0
+        self.ignore_mismatch = False
+
+    def changed_in_place(self) -> bool:
+        return any(tensor._version != version for tensor, version in self.kept)
+
+
+class Frame:
+    """One call of `checkpoint`: how to run the region again, and what its forward saved."""
+
+    __slots__ = (
+        "__weakref__",
+        "arguments",
+        "clone_inputs",
+        "clone_saves",
+        "early_stop",
+        "error_cb",
+        "forward_completed",
+        "holders",
+        "inputs",
+        "metadata",
+        "metadata_fn",
+        "outside",
+        "recompute_context",
+        "region",
+        "run",
+        "saved",
+    )
+
+    def __init__(
+        self,
+        run: Callable[..., Any],
+        region: RegionState,
+        *,
+        recompute_context: Any,
+        early_stop: bool,
+        metadata_fn: Callable[[torch.Tensor], Any],
+        error_cb: Callable[[Exception], Any] | None,
+    ) -> None:
+        self.run = run
+        self.region = region
+        self.recompute_context = recompute_context
+        self.early_stop = early_stop
+        self.metadata_fn = metadata_fn
+        self.error_cb = error_cb
+        self.holders: list[weakref.ref[_Holder]] = []
+        self.metadata: list[Any] = []
+        self.saved: list[weakref.ref[torch.Tensor]] = []  # during the forward pass only
+        self.outside: dict[int, _Outside] = {}
+        self.inputs: Callable[[], list[torch.Tensor]] = list
+        self.arguments = Arguments((), {}, [])
+        self.forward_completed = False
+        self.clone_inputs = False
+        self.clone_saves = False
+
+    def pack(self, tensor: torch.Tensor) -> _Holder:
+        """The region's pack hook: keep nothing but the position (and the metadata to check)."""
+        holder = _Holder(self, len(self.holders))
+        self.holders.append(weakref.ref(holder))
+        self.metadata.append(self.metadata_fn(tensor))
+        self.saved.append(weakref.ref(tensor))
+        return holder
+
+    def seal(self) -> None:
+        """At the end of the forward pass: note the saved tensors that outlive it."""
+        self.forward_completed = True
+        for index, ref in enumerate(self.saved):
+            tensor = ref()
+            if tensor is not None:
+                self.outside[index] = _Outside(tensor)
+        self.saved = []
+
+    def recompute(self, state: _Recomputation) -> None:
+        """Run the region again, keeping its saved tensors in ``state``; check them."""
+        starts = self._outside_versions()
+        state.moved = {
+            index: (now, self.outside[index].version)
+            for index, now in starts.items()
+            if now != self.outside[index].version
+        }
+        self._run_again(state)
+        if state.changed_in_place():
+            # See NOTE [Checkpointing on saved-tensor hooks], "In-place writes".
+            self.clone_saves = True
+            state.reset()
+            self._run_again(state)
+        state.kept.clear()
+        self._advance_outside(starts)
+        self._check(state)
+
+    def _outside_versions(self) -> dict[int, int]:
+        versions = {}
+        for index, outside in self.outside.items():
+            tensor = outside.ref()
+            if tensor is not None:
+                versions[index] = tensor._version
+        return versions
+
+    def _advance_outside(self, starts: dict[int, int]) -> None:
+        """Count the recomputation's own writes to tensors from elsewhere as the region's."""
+        for index, start in starts.items():
+            outside = self.outside[index]
+            tensor = outside.ref()
+            if tensor is not None:
+                outside.version += tensor._version - start
+
+    def _run_again(self, state: _Recomputation) -> None:
+        tensors = self.inputs()
+        if self.clone_inputs:
+            # Non-leaf clones (the function writes to them), connected to nothing that matters.
+            with torch.enable_grad():
+                tensors = [t.detach().requires_grad_(t.requires_grad).clone() for t in tensors]
+        args, kwargs = self.arguments.rebuild(tensors)
+        pack, unpack = current_save_guard().wrap(
+            functools.partial(_keep_recomputed, self, state), _identity
+        )
+        register_protected_pack_hook(pack)
+        push_saved_tensors_hooks(pack, unpack)
+        _recomputing.depth += 1
+        try:
+            with torch.enable_grad(), self.region.replay(), self.recompute_context:
+                self.run(*args, **kwargs)
+        except _StopRecomputation:
+            pass
+        finally:
+            _recomputing.depth -= 1
+            pop_saved_tensors_hooks()
+
+    def _check(self, state: _Recomputation) -> None:
+        if state.ignore_mismatch:
+            return
+        if state.count != len(self.holders):
+            raise CheckpointError(
+                "tensorhooks.checkpoint: a different number of tensors was saved during the "
+                f"forward pass ({len(self.holders)}) and during recomputation ({state.count}). "
+                "The checkpointed function must run the same ops both times: look for "
+                "branches on global state or on values that differ between the two runs, or "
+                'pass determinism_check="none" if the difference is harmless.'
+            )
+        metadata_fn = self.metadata_fn
+        differ = [
+            f"tensor at position {index}: saved {self.metadata[index]}, recomputed {now}"
+            for index, tensor in state.tensors.items()
+            if (now := metadata_fn(tensor)) != self.metadata[index]
+        ]
+        if differ:
+            raise CheckpointError(
+                "tensorhooks.checkpoint: recomputed tensors differ from those saved in the "
+                "forward pass (shape, dtype, device):\n"
+                + "\n".join(differ)
+                + '\nReplay the same state (autocast, dtypes) or pass determinism_check="none".'
+            )
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def _keep_recomputed(frame: Frame, state: _Recomputation, tensor: torch.Tensor) -> torch.Tensor:
+    """The recomputation's pack hook: keep the tensor saved at this position for backward."""
+    index = state.count
+    state.count = index + 1
+    total = len(frame.holders)
+    if index >= total:
+        if not frame.forward_completed:  # backward inside the region's own forward pass
+            state.ignore_mismatch = True
+            return tensor
+        raise CheckpointError(
+            "tensorhooks.checkpoint: more tensors were saved during recomputation than during "
+            f"the forward pass ({total}). The checkpointed function must run the same ops both "
+            "times."
+        )
+    kept = tensor.detach() if tensor.requires_grad else tensor
+    if frame.clone_saves:
+        kept = _clone_below_modes(kept)
+    if frame.holders[index]() is not None:  # else its node was already released
+        state.tensors[index] = kept
+        moved = state.moved.get(index)
+        if moved is not None and frame.outside[index].ref() is tensor:
+            state.stale[index] = moved  # See NOTE [Checkpointing...], "Tensors from elsewhere"
+        state.kept.append((kept, kept._version))
+    if frame.early_stop and index + 1 == total:
+        raise _StopRecomputation
+    return kept
+
+
+def _clone_below_modes(tensor: torch.Tensor) -> torch.Tensor:
+    """A clone that dispatch modes (a selective context, the user's) do not see.
+
+    The forward pass made no such clone, so a mode counting ops must not count it.
+    """
+    was_excluded = is_dispatch_key_excluded(PYTHON_DISPATCH_KEY)
+    set_dispatch_key_excluded(PYTHON_DISPATCH_KEY, True)
+    try:
+        return tensor.clone()
+    finally:
+        set_dispatch_key_excluded(PYTHON_DISPATCH_KEY, was_excluded)
+
+
+def unpack_holder(holder: _Holder) -> torch.Tensor:
+    """The region's unpack hook: recompute once per graph task, hand out each tensor once."""
+    frame = holder.frame
+    try:
+        return _unpack_from(frame, holder.index)
+    except CheckpointError as error:
+        if frame.error_cb is not None:
+            frame.error_cb(error)
+        raise
+
+
+def _unpack_from(frame: Frame, index: int) -> torch.Tensor:
+    if current_graph_task_id() == -1:
+        # Outside backward (``grad_fn._saved_self``): a recomputation of its own, kept nowhere.
+        state = _Recomputation()
+        frame.recompute(state)
+    else:
+        task = graph_task_store.current()
+        state = task.peek(frame)
+        if state is None:
+            state = task.claim(frame, _Recomputation())
+        if not state.done:
+            with state.lock:
+                if not state.done:
+                    frame.recompute(state)
+                    state.done = True
+    tensor = state.tensors.pop(index, None)
+    if tensor is None:
+        raise CheckpointError(
+            "tensorhooks.checkpoint: a saved tensor of a checkpointed region was unpacked twice "
+            "in one backward call. If a custom Function reads ctx.saved_tensors in backward, "
+            "read it once and keep the result."
+        )
+    stale = state.stale.get(index)
+    if stale is not None:
+        raise _changed_outside_error(tensor, *stale)
+    return tensor
+
+
+def raise_changed_input(tensor: torch.Tensor, version: int) -> Callable[[], list[torch.Tensor]]:
+    """What unpacking the inputs would do, holding no ``grad_fn``: raise the in-place error."""
+    alias = tensor.detach()
+
+    def inputs() -> list[torch.Tensor]:
+        raise SavedTensorModifiedError(
+            modified_message(alias.type(), list(alias.shape), alias._version, version)
+            + " Hint: the checkpointed function changed this argument in place, and "
+            "recomputation needs its value from the call. Clone it before the call, or run "
+            "under tensorhooks.allow_mutation_on_saved_tensors() to keep that value."
+        )
+
+    return inputs
+
+
+def _changed_outside_error(
+    tensor: torch.Tensor, version: int, expected: int
+) -> SavedTensorModifiedError:
+    return SavedTensorModifiedError(
+        modified_message(tensor.type(), list(tensor.shape), version, expected)
+        + " Hint: the checkpointed function reads this tensor from outside its arguments (a "
+        "closure, a module attribute), and it was changed in place between the forward pass "
+        "and backward, so recomputation would use the changed value. Pass it to checkpoint as "
+        "an argument (then allow_mutation_on_saved_tensors() keeps its saved value), or change "
+        "it after backward."
+    )
