@@ -15,13 +15,18 @@ import torch
 from torch.utils.checkpoint import CheckpointError, SelectiveCheckpointContext
 
 from tensorhooks._activation_offload import save_on_cpu
-from tensorhooks._core.errors import CheckpointArgumentTypeError, CheckpointArgumentValueError
-from tensorhooks._core.guards import PackHook, UnpackHook, current_save_guard
+from tensorhooks._core.errors import (
+    CheckpointArgumentTypeError,
+    CheckpointArgumentValueError,
+    SavedTensorModifiedError,
+)
+from tensorhooks._core.guards import PackHook, UnpackHook, current_save_guard, modified_message
 from tensorhooks._core.torch_compat import (
     CheckpointPolicy,
     OpOverload,
     TorchDispatchMode,
     include_inplace_or_view_key,
+    op_schema,
     torch_selective_checkpoint_modes,
 )
 
@@ -34,25 +39,37 @@ __all__ = [
 
 # NOTE [Selective checkpointing in eager mode]
 #
-# Two dispatch modes share one `_Plan`. In the forward pass `_SelectiveForward` runs every op,
+# Two dispatch modes share one `_Plan`. In the forward pass `SelectiveForward` runs every op,
 # asks the policy about it and files what the policy chose under ``(op, call number)``:
 #
-#   *_SAVE        a detached alias of the output, behind the save guard of the thread (so under
-#                 ``allow_mutation_on_saved_tensors`` a later write leaves the save-time value,
-#                 and otherwise a write raises autograd's in-place error at recomputation);
+#   *_SAVE        a detached alias of the output and its version (under
+#                 ``allow_mutation_on_saved_tensors``, behind the context's save guard, which
+#                 keeps the save-time value when a write comes);
 #   *_CPU_OFFLOAD the output packed by a ``save_on_cpu`` context (side-stream copy into pinned
-#                 host memory on a device, prefetch in backward); view ops are saved instead,
-#                 since a view holds no memory of its own;
+#                 host memory on a device, prefetch in backward);
 #   *_RECOMPUTE   nothing.
 #
-# In recomputation `_SelectiveRecompute` answers each filed op from the plan without running it
-# and runs the others. Entries are not consumed: a second backward over a graph kept with
-# ``retain_graph=True`` finds them again (torch raises there). A saved output that the region
-# itself changed in place later in the forward pass is handed out as a clone, so that the
-# recomputation's own write cannot reach the entry.
+# Ops whose outputs alias an input are never filed, whatever the policy says: a view (``t``,
+# ``split``, slicing) costs nothing to replay from its base and holds no memory of its own, and
+# an in-place or ``out=`` op must run again for its write to reach the recomputed input. Handing
+# out a cached view instead would give autograd a tensor that is not a view of the recomputed
+# base (torch's "differentiable view" error on a second backward) and keep that base alive.
 #
-# The detached aliases matter for memory too: an op's output carries a ``grad_fn`` once the op
-# returns, and that node keeps the region's saved-tensor holders, which keep the plan.
+# In recomputation `SelectiveRecompute` answers each filed op from the plan without running it
+# and runs the others. Each answer is a fresh alias of the entry, never the entry itself: autograd
+# sets the recomputed node as ``grad_fn`` of what the op returns, and an entry carrying it would
+# close a cycle (plan -> entry -> recomputed node -> saved hooks -> frame -> plan) through C++
+# objects that the collector cannot see, leaking every step. Entries are not consumed: a second
+# backward over a graph kept with ``retain_graph=True`` finds them again (torch raises there).
+#
+# A saved output changed in place after it was filed (by the region later in its forward pass,
+# or by anyone before backward) no longer holds the value the recomputation needs:
+#   - under ``allow_mutation_on_saved_tensors`` the guard kept the save-time value, which is
+#     handed out (as a clone when the region itself writes it, so that the recomputation's own
+#     write cannot reach the entry);
+#   - with ``allow_cache_entry_mutation=True`` the op runs again instead (torch hands out the
+#     changed value: an in-place write applied twice);
+#   - otherwise the lookup raises autograd's in-place error, naming the op and the policy.
 
 PolicyFn = Callable[..., Any]
 
@@ -109,19 +126,49 @@ class _Slot:
 
 
 class _Entry:
-    """One filed op output: its structure, what pack returned for each tensor, how to unpack."""
+    """One filed op output: its structure, what pack returned for each tensor, how to unpack.
 
-    __slots__ = ("_pack", "aliases", "mutated", "packed", "structure", "unpack", "versions")
+    See NOTE [Selective checkpointing in eager mode] for when a filed value may be used.
+    """
 
-    def __init__(self, output: Any, pack: PackHook, unpack: UnpackHook, *, watch: bool) -> None:
+    __slots__ = (
+        "_pack",
+        "aliases",
+        "func",
+        "index",
+        "mutated",
+        "packed",
+        "policy",
+        "structure",
+        "unpack",
+        "versions",
+    )
+
+    def __init__(
+        self,
+        output: Any,
+        pair: tuple[PackHook, UnpackHook],
+        *,
+        watch: bool,
+        func: OpOverload,
+        index: int,
+        policy: str,
+    ) -> None:
+        self.func = func
+        self.index = index
+        self.policy = policy
         self.packed: list[Any] = []
+        # Aliases of the saved tensors, whose versions tell a later write; None: not watched
+        # (offloaded outputs are copies).
         self.aliases: list[torch.Tensor] | None = [] if watch else None
-        self._pack: PackHook | None = pack
+        self._pack: PackHook | None = pair[0]
         self.structure = _map_tensors(self._file, output)
         self._pack = None  # the entry outlives the forward pass; the pack hook need not
-        self.unpack = unpack
+        self.unpack = pair[1]
         self.versions = None if self.aliases is None else [a._version for a in self.aliases]
-        self.mutated = False
+        # Set at the end of the forward pass when the region wrote a saved alias: which, and the
+        # version it was filed at.
+        self.mutated: tuple[torch.Tensor, int] | None = None
 
     def _file(self, tensor: torch.Tensor) -> _Slot:
         alias = _detach(tensor)
@@ -133,22 +180,60 @@ class _Entry:
 
     def seal(self) -> None:
         """At the end of the forward pass: note whether the region changed the output since."""
-        if self.aliases is not None and self.versions is not None:
-            self.mutated = any(
-                alias._version != version
-                for alias, version in zip(self.aliases, self.versions, strict=True)
-            )
-            self.aliases = None  # the packed values keep what they need
+        change = self._change()
+        if change is not None:
+            self.mutated = change
+        if self.aliases is not None:
+            self.versions = [alias._version for alias in self.aliases]
+
+    def _change(self) -> tuple[torch.Tensor, int] | None:
+        """A saved alias written since its version was noted, with that version."""
+        if self.aliases is None or self.versions is None:
+            return None
+        for alias, version in zip(self.aliases, self.versions, strict=True):
+            if alias._version != version:
+                return alias, version
+        return None
+
+    def usable(self, keeps_saved_values: bool, allow_mutation: bool) -> bool:
+        """Whether the filed value may answer the op; raise if it changed and nothing else may.
+
+        ``keeps_saved_values``: the pair's guard hands back save-time values after a write.
+        """
+        if keeps_saved_values:
+            return True
+        change = self.mutated or self._change()
+        if not change:
+            return True
+        if allow_mutation:
+            return False
+        raise self._modified_error(*change)
+
+    def _modified_error(self, alias: torch.Tensor, version: int) -> SavedTensorModifiedError:
+        return SavedTensorModifiedError(
+            modified_message(alias.type(), list(alias.shape), alias._version, version)
+            + f" Hint: the output of {self.func} (call {self.index}) in a checkpointed region, "
+            f"which the selective checkpoint policy saves ({self.policy}), was changed in place "
+            "after it was saved, so recomputation cannot use it. Have the policy return "
+            "PREFER_RECOMPUTE for this op, pass allow_cache_entry_mutation=True to recompute "
+            "such outputs instead, or run the forward pass and backward inside "
+            "tensorhooks.allow_mutation_on_saved_tensors() to keep the saved value."
+        )
 
     def value(self) -> Any:
-        """The filed output, as a fresh clone if the region changes it in place."""
-        packed, unpack, mutated = self.packed, self.unpack, self.mutated
+        """The filed output, as fresh aliases (fresh clones if the region changes it in place)."""
+        packed, unpack, mutated = self.packed, self.unpack, self.mutated is not None
 
         def restore(slot: _Slot) -> torch.Tensor:
             tensor = unpack(packed[slot.index])
-            return tensor.clone() if mutated else tensor
+            return tensor.clone() if mutated else _detach(tensor)
 
         return _map(_Slot, restore, self.structure)
+
+
+def _replayed(func: OpOverload) -> bool:
+    """Whether ``func`` returns an alias of an input: a view, or an in-place or ``out=`` op."""
+    return any(result.alias_info is not None for result in op_schema(func).returns)
 
 
 class _Plan:
@@ -163,11 +248,15 @@ class _Plan:
         self.storage: dict[Any, list[_Entry | None]] = {}
         self.save_pair: tuple[PackHook, UnpackHook] = (_identity, _identity)
         self.offload_pair: tuple[PackHook, UnpackHook] = (offload.pack_hook, offload.unpack_hook)
+        self.keeps_saved_values = False
 
     def start(self) -> None:
         """Take the save guard of the thread running the forward pass."""
         guard = current_save_guard()
-        if not self.allow_cache_entry_mutation:
+        # Under a guard that keeps save-time values, saved outputs go behind it; otherwise each
+        # entry checks its own versions (see NOTE [Selective checkpointing in eager mode]).
+        self.keeps_saved_values = guard.lets_saved_tensors_change
+        if self.keeps_saved_values:
             self.save_pair = guard.wrap(_identity, _identity)
         self.offload_pair = guard.wrap(self.offload.pack_hook, self.offload.unpack_hook)
 
@@ -177,12 +266,30 @@ class _Plan:
             policy = CheckpointPolicy.MUST_SAVE if policy else CheckpointPolicy.PREFER_RECOMPUTE
         entries = self.storage.setdefault(func, [])
         name = policy.name if isinstance(policy, enum.Enum) else None
-        if name in _OFFLOAD and not func.is_view:
-            entries.append(_Entry(output, *self.offload_pair, watch=False))
-        elif name in _SAVE or name in _OFFLOAD:
-            entries.append(_Entry(output, *self.save_pair, watch=True))
-        elif name in _RECOMPUTE:
+        if name in _RECOMPUTE or ((name in _SAVE or name in _OFFLOAD) and _replayed(func)):
             entries.append(None)
+        elif name in _OFFLOAD:
+            entries.append(
+                _Entry(
+                    output,
+                    self.offload_pair,
+                    watch=False,
+                    func=func,
+                    index=len(entries),
+                    policy=name,
+                )
+            )
+        elif name in _SAVE:
+            entries.append(
+                _Entry(
+                    output,
+                    self.save_pair,
+                    watch=True,
+                    func=func,
+                    index=len(entries),
+                    policy=name,
+                )
+            )
         else:
             raise CheckpointArgumentTypeError(
                 f"selective checkpoint: the policy returned {policy!r} of type "
@@ -197,7 +304,7 @@ class _Plan:
                     entry.seal()
 
     def lookup(self, func: OpOverload, index: int) -> _Entry | None:
-        """The entry of call ``index`` of ``func``; None when the op is to be recomputed."""
+        """The entry answering call ``index`` of ``func``; None when the op is to run again."""
         entries = self.storage.get(func)
         if entries is None or index >= len(entries):
             raise CheckpointError(
@@ -205,7 +312,12 @@ class _Plan:
                 "in the forward pass. The checkpointed function must run the same ops in both: "
                 "check for randomness outside torch's generators or global state it reads."
             )
-        return entries[index]
+        entry = entries[index]
+        if entry is None or not entry.usable(
+            self.keeps_saved_values, self.allow_cache_entry_mutation
+        ):
+            return None
+        return entry
 
 
 class SelectiveForward(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base

@@ -17,62 +17,24 @@ import torch.distributed as dist
 import torch.utils.checkpoint as torch_checkpoint
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import tensorhooks
 from tensorhooks import CheckpointError, CheckpointPolicy, checkpoint
 from tensorhooks._core.torch_compat import top_saved_tensors_hooks
+from tests.checkpoint.common import (
+    OpCounter,
+    assert_same,
+    block_of,
+    grads,
+    input_tensor,
+    mm_policy,
+    torch_ckpt,
+    weights,
+)
 from tests.simdevice import simulated_device
 from tests.strategies import BackwardFailedError, FailingBackward, Program, backwards, programs
 
 aten = torch.ops.aten
-
-
-def torch_ckpt(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return torch_checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the ops that reach it (those a selective context does not answer)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: dict[Any, int] = {}
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
-    ) -> Any:
-        self.counts[func] = self.counts.get(func, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
-def _weights(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    w1 = torch.randn(6, 6, generator=generator, dtype=torch.float64, requires_grad=True)
-    w2 = torch.randn(6, 6, generator=generator, dtype=torch.float64, requires_grad=True)
-    return w1, w2
-
-
-def _input(seed: int = 1) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(4, 6, generator=generator, dtype=torch.float64, requires_grad=True)
-
-
-def _block(w1: torch.Tensor, w2: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    def block(x: torch.Tensor) -> torch.Tensor:
-        return (torch.mm(x, w1).sin().exp() @ w2).tanh()
-
-    return block
-
-
-def _grads(run: Callable[[], torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    return list(torch.autograd.grad(run().sum(), list(inputs)))
-
-
-def _assert_close(left: Sequence[torch.Tensor], right: Sequence[torch.Tensor]) -> None:
-    assert len(left) == len(right)
-    for a, b in zip(left, right, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 # --- differential: random programs ----------------------------------------------------------------
@@ -154,8 +116,8 @@ def test_nested_regions_match_plain_autograd(region: tuple[Program, int, int], e
 
 def test_dropout_replays_the_rng_state() -> None:
     """Dropout inside a region draws the same mask in recomputation: torch's gradients."""
-    w1, w2 = _weights()
-    x = _input()
+    w1, w2 = weights()
+    x = input_tensor()
 
     def block(h: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.dropout(h @ w1, 0.5, training=True).sin() @ w2
@@ -165,49 +127,49 @@ def test_dropout_replays_the_rng_state() -> None:
         torch.manual_seed(3)
         out = run(block, x)
         after_forward = torch.rand(3)
-        results.append([*_grads(lambda out=out: out, [x, w1, w2]), after_forward])
+        results.append([*grads(lambda out=out: out, [x, w1, w2]), after_forward])
     torch.manual_seed(3)
-    plain = _grads(lambda: block(x), [x, w1, w2])
-    _assert_close(results[0], results[1])
-    _assert_close(results[0][:3], plain)
+    plain = grads(lambda: block(x), [x, w1, w2])
+    assert_same(results[0], results[1])
+    assert_same(results[0][:3], plain)
 
 
 def test_cpu_autocast_bf16_is_replayed() -> None:
     """A region run under CPU autocast (bf16) recomputes under it: torch's gradients."""
-    w1, w2 = _weights()
+    w1, w2 = weights()
     w1, w2 = w1.float().detach().requires_grad_(), w2.float().detach().requires_grad_()
-    x = _input().float().detach().requires_grad_()
-    block = _block(w1, w2)
+    x = input_tensor().float().detach().requires_grad_()
+    block = block_of(w1, w2)
     results = []
     for run in (checkpoint, torch_ckpt, lambda f, a: f(a)):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = run(block, x)
         assert out.dtype == torch.bfloat16
-        results.append(_grads(lambda out=out: out.float(), [x, w1, w2]))
-    _assert_close(results[0], results[1])
-    _assert_close(results[0], results[2])
+        results.append(grads(lambda out=out: out.float(), [x, w1, w2]))
+    assert_same(results[0], results[1])
+    assert_same(results[0], results[2])
 
 
 @pytest.mark.parametrize("kind", ["grad_leaf", "grad_intermediate", "backward_inputs"])
 def test_grad_and_backward_inputs_on_leaves_and_intermediates(kind: str) -> None:
     """autograd.grad and backward(inputs=) work on leaves and on tensors made before the region."""
-    w1, w2 = _weights()
-    x = _input()
+    w1, w2 = weights()
+    x = input_tensor()
     h = x * 2
     target = x if kind == "grad_leaf" else h
-    got = checkpoint(_block(w1, w2), h).sum()
-    expected = _block(w1, w2)(h).sum()
+    got = checkpoint(block_of(w1, w2), h).sum()
+    expected = block_of(w1, w2)(h).sum()
     if kind == "backward_inputs":
         h.retain_grad()
         got.backward(inputs=[h, w1], retain_graph=True)
         first = [h.grad.clone(), w1.grad.clone()]  # type: ignore[union-attr]
         h.grad, w1.grad = None, None
         expected.backward(inputs=[h, w1])
-        _assert_close(first, [h.grad, w1.grad])  # type: ignore[list-item]
+        assert_same(first, [h.grad, w1.grad])  # type: ignore[list-item]
         assert x.grad is None
         assert w2.grad is None
     else:
-        _assert_close(
+        assert_same(
             torch.autograd.grad(got, [target, w2], retain_graph=True),
             torch.autograd.grad(expected, [target, w2]),
         )
@@ -216,35 +178,35 @@ def test_grad_and_backward_inputs_on_leaves_and_intermediates(kind: str) -> None
 def test_retain_graph_twice_recomputes_per_backward() -> None:
     """Two backward calls over a retained graph recompute twice and agree."""
     calls = []
-    w1, w2 = _weights()
-    x = _input()
+    w1, w2 = weights()
+    x = input_tensor()
 
     def block(h: torch.Tensor) -> torch.Tensor:
         calls.append(tensorhooks.is_recomputing())
-        return _block(w1, w2)(h)
+        return block_of(w1, w2)(h)
 
     loss = checkpoint(block, x).sum()
     first = torch.autograd.grad(loss, [x, w1], retain_graph=True)
     second = torch.autograd.grad(loss, [x, w1])
-    _assert_close(first, second)
+    assert_same(first, second)
     assert calls == [False, True, True]
 
 
 def test_double_backward() -> None:
     """create_graph=True through a region gives plain autograd's second derivatives."""
-    w1, w2 = _weights()
-    x = _input()
+    w1, w2 = weights()
+    x = input_tensor()
     results = []
     for run in (checkpoint, lambda f, a: f(a)):
-        (gx,) = torch.autograd.grad(run(_block(w1, w2), x).sum(), x, create_graph=True)
+        (gx,) = torch.autograd.grad(run(block_of(w1, w2), x).sum(), x, create_graph=True)
         results.append(torch.autograd.grad((gx * gx).sum(), [x, w1, w2]))
-    _assert_close(results[0], results[1])
+    assert_same(results[0], results[1])
 
 
 def test_non_tensor_arguments_outputs_and_kwargs() -> None:
     """Non-tensor arguments and outputs pass through; keyword arguments reach the function."""
-    w1, _ = _weights()
-    x = _input()
+    w1, _ = weights()
+    x = input_tensor()
 
     def block(h: torch.Tensor, scale: float, *, name: str, bias: torch.Tensor) -> Any:
         return {"out": (h @ w1).sin() * scale + bias.exp(), "name": name, "none": None}
@@ -254,7 +216,7 @@ def test_non_tensor_arguments_outputs_and_kwargs() -> None:
     assert got["name"] == "b"
     assert got["none"] is None
     expected = block(x, 3.0, name="b", bias=bias)
-    _assert_close(
+    assert_same(
         torch.autograd.grad(got["out"].sum(), [x, bias]),
         torch.autograd.grad(expected["out"].sum(), [x, bias]),
     )
@@ -262,21 +224,21 @@ def test_non_tensor_arguments_outputs_and_kwargs() -> None:
 
 def test_decorator_form() -> None:
     """checkpoint(function=None, ...) returns a decorator that takes the same options."""
-    w1, w2 = _weights()
+    w1, w2 = weights()
 
     @checkpoint(early_stop=False, determinism_check="none")
     def block(h: torch.Tensor, *, k: int) -> torch.Tensor:
-        return _block(w1, w2)(h) * k
+        return block_of(w1, w2)(h) * k
 
-    x = _input()
-    _assert_close(_grads(lambda: block(x, k=2), [x]), _grads(lambda: _block(w1, w2)(x) * 2, [x]))
+    x = input_tensor()
+    assert_same(grads(lambda: block(x, k=2), [x]), grads(lambda: block_of(w1, w2)(x) * 2, [x]))
     assert block.__name__ == "block"
 
 
 def test_use_reentrant_true_is_refused_with_the_reason() -> None:
     """use_reentrant=True raises, explaining what the hook-based version gains."""
     with pytest.raises(tensorhooks.CheckpointArgumentValueError, match=r"autograd\.grad"):
-        checkpoint(torch.sin, _input(), use_reentrant=True)
+        checkpoint(torch.sin, input_tensor(), use_reentrant=True)
     with pytest.raises(ValueError, match="use_reentrant=False"):
         checkpoint(use_reentrant=True)
 
@@ -291,19 +253,19 @@ def test_use_reentrant_true_is_refused_with_the_reason() -> None:
 def test_invalid_options_raise(options: dict[str, Any], message: str) -> None:
     """Options checkpoint cannot honour raise a ValueError naming the fix."""
     with pytest.raises(tensorhooks.CheckpointArgumentValueError, match=message):
-        checkpoint(torch.sin, _input(), **options)
+        checkpoint(torch.sin, input_tensor(), **options)
 
 
 def test_positional_arguments_without_function_raise() -> None:
     """checkpoint(None, x) is a mistake, not a decorator."""
     with pytest.raises(tensorhooks.CheckpointArgumentValueError, match="without a function"):
-        checkpoint(None, _input())
+        checkpoint(None, input_tensor())
 
 
 def test_no_grad_runs_the_function_plainly() -> None:
     """Under no_grad the function just runs: nothing is saved or hooked."""
     with torch.no_grad():
-        out = checkpoint(torch.sin, _input())
+        out = checkpoint(torch.sin, input_tensor())
     assert out.grad_fn is None
 
 
@@ -317,7 +279,7 @@ def test_early_stop_skips_ops_after_the_last_save() -> None:
             tail.append(1)
             return out + 1
 
-        x = _input()
+        x = input_tensor()
         checkpoint(block, x, early_stop=early_stop).sum().backward()
         assert len(tail) == 1 + tail_runs
 
@@ -332,14 +294,14 @@ def test_torch_set_checkpoint_early_stop_is_honoured() -> None:
         return out
 
     with torch_checkpoint.set_checkpoint_early_stop(False):
-        out = checkpoint(block, _input())
+        out = checkpoint(block, input_tensor())
     out.sum().backward()
     assert len(tail) == 2
 
 
 def test_determinism_check_counts_then_metadata() -> None:
     """A recomputation saving another number of tensors, or other shapes, raises CheckpointError."""
-    x = _input()
+    x = input_tensor()
     state = {"extra": False, "shape": False}
 
     def block(h: torch.Tensor) -> torch.Tensor:
@@ -368,7 +330,7 @@ def test_determinism_check_counts_then_metadata() -> None:
 
 def test_debug_adds_the_op_traces() -> None:
     """debug=True re-raises a CheckpointError with torch's log of both runs."""
-    x = _input()
+    x = input_tensor()
     flip = {"on": False}
 
     def block(h: torch.Tensor) -> torch.Tensor:
@@ -395,14 +357,14 @@ def test_unpack_twice_in_one_backward_raises() -> None:
             ctx.saved_tensors  # noqa: B018
             return grad * 2
 
-    out = checkpoint(Twice.apply, _input() * 1)
+    out = checkpoint(Twice.apply, input_tensor() * 1)
     with pytest.raises(CheckpointError, match="unpacked twice"):
         out.sum().backward()
 
 
 def test_saved_tensor_read_outside_backward() -> None:
     """grad_fn._saved_* outside backward recomputes on the spot and keeps nothing."""
-    x = _input()
+    x = input_tensor()
     out = checkpoint(lambda h: h.sin(), x)
     torch.testing.assert_close(out.grad_fn._saved_self, x)  # type: ignore[union-attr]
     assert tensorhooks.live_graph_tasks() == 0
@@ -413,27 +375,27 @@ def test_inputs_saved_without_the_direct_entry(monkeypatch: pytest.MonkeyPatch) 
     import tensorhooks._checkpoint.arguments as module
 
     monkeypatch.setattr(module, "make_saved_tensor", None)
-    w1, w2 = _weights()
-    x = _input()
+    w1, w2 = weights()
+    x = input_tensor()
     h = x.detach() * 1  # no input requires grad, the weights do
-    _assert_close(
-        _grads(lambda: checkpoint(_block(w1, w2), h), [w1, w2]),
-        _grads(lambda: _block(w1, w2)(h), [w1, w2]),
+    assert_same(
+        grads(lambda: checkpoint(block_of(w1, w2), h), [w1, w2]),
+        grads(lambda: block_of(w1, w2)(h), [w1, w2]),
     )
-    _assert_close(
-        _grads(lambda: checkpoint(_block(w1, w2), x), [x]),
-        _grads(lambda: _block(w1, w2)(x), [x]),
+    assert_same(
+        grads(lambda: checkpoint(block_of(w1, w2), x), [x]),
+        grads(lambda: block_of(w1, w2)(x), [x]),
     )
-    out = checkpoint(_block(w1, w2), x * 1)
+    out = checkpoint(block_of(w1, w2), x * 1)
     del out
     gc.collect()
 
 
 def test_input_changed_in_place_after_the_call_raises() -> None:
     """An input changed in place between forward and backward raises autograd's error."""
-    w1, w2 = _weights()
-    h = _input() * 1
-    out = checkpoint(_block(w1, w2), h)
+    w1, w2 = weights()
+    h = input_tensor() * 1
+    out = checkpoint(block_of(w1, w2), h)
     h.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
@@ -476,7 +438,7 @@ def _call(block: Callable[..., torch.Tensor], form: str, h: torch.Tensor, run: A
 def test_keyword_or_nested_input_written_in_the_region_raises(form: str) -> None:
     """A keyword or nested input the region writes in place raises, as a positional one does."""
     w = torch.randn(6, dtype=torch.float64, requires_grad=True)
-    out = _call(_writes_its_input(w, form), form, _input() * 1, checkpoint)
+    out = _call(_writes_its_input(w, form), form, input_tensor() * 1, checkpoint)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
 
@@ -485,21 +447,21 @@ def test_keyword_or_nested_input_written_in_the_region_raises(form: str) -> None
 def test_keyword_or_nested_input_written_under_allow_mutation(form: str) -> None:
     """Under allow_mutation_on_saved_tensors a keyword or nested written input: plain gradients."""
     w = torch.randn(6, dtype=torch.float64, requires_grad=True)
-    h0 = _input()
+    h0 = input_tensor()
     block = _writes_its_input(w, form)
     results = []
     for run in (checkpoint, lambda f, *a, **k: f(*a, **k)):
         with tensorhooks.allow_mutation_on_saved_tensors():
             loss = _call(block, form, h0 * 1, run).sum()
             results.append(torch.autograd.grad(loss, [h0, w]))
-    _assert_close(results[0], results[1])
+    assert_same(results[0], results[1])
 
 
 @pytest.mark.parametrize("form", sorted(_CALL_FORMS))
 def test_keyword_or_nested_input_changed_after_the_call(form: str) -> None:
     """A keyword or nested input written before backward raises; under allow_mutation it is kept."""
     get = _CALL_FORMS[form][1]
-    h0 = _input()
+    h0 = input_tensor()
 
     def block(*args: Any, **kwargs: Any) -> torch.Tensor:
         return get(args, kwargs).sin()
@@ -514,12 +476,12 @@ def test_keyword_or_nested_input_changed_after_the_call(form: str) -> None:
         out = _call(block, form, h, checkpoint)
         h.mul_(2)
         (got,) = torch.autograd.grad(out.sum(), [h0])
-    _assert_close([got], [h0.detach().cos()])
+    assert_same([got], [h0.detach().cos()])
 
 
 def test_keyword_and_nested_inputs_are_saved_like_positional_ones() -> None:
     """Outer hooks pack every input tensor once; recomputation gets the same argument shapes."""
-    x = _input()
+    x = input_tensor()
     packed: list[torch.Tensor] = []
     calls: list[tuple[Any, ...]] = []
     untouched: list[Any] = []
@@ -544,7 +506,7 @@ def test_keyword_and_nested_inputs_are_saved_like_positional_ones() -> None:
 def test_tensor_from_elsewhere_changed_before_backward_raises() -> None:
     """A closure's saved tensor changed after the call raises; the region's own writes do not."""
     w = torch.randn(6, dtype=torch.float64, requires_grad=True)
-    x = _input()
+    x = input_tensor()
     v = w * 1
     out = checkpoint(lambda h: (h * v).sin(), x)
     v.mul_(2)
@@ -558,8 +520,8 @@ def test_tensor_from_elsewhere_changed_before_backward_raises() -> None:
 
     loss = checkpoint(block, x).sum()
     first = torch.autograd.grad(loss, [x], retain_graph=True)
-    _assert_close(first, torch.autograd.grad(loss, [x]))
-    _assert_close(first, [2 * w.detach() * (x * 2 * w).detach().cos()])
+    assert_same(first, torch.autograd.grad(loss, [x]))
+    assert_same(first, [2 * w.detach() * (x * 2 * w).detach().cos()])
 
 
 def test_input_written_in_the_region_leaves_no_cycle() -> None:
@@ -574,7 +536,7 @@ def test_input_written_in_the_region_leaves_no_cycle() -> None:
         h += h * w
         return h.sin()
 
-    out = checkpoint(block, _input() * 1)
+    out = checkpoint(block, input_tensor() * 1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
     del out
@@ -585,7 +547,7 @@ def test_input_written_in_the_region_leaves_no_cycle() -> None:
 def test_write_inside_the_region_after_a_save_uses_the_saved_value() -> None:
     """A tensor the region saves and then changes in place: the gradient of the save-time value."""
     w = torch.randn(6, dtype=torch.float64, requires_grad=True)
-    x = _input()
+    x = input_tensor()
 
     def block(a: torch.Tensor) -> torch.Tensor:
         b = a * 2
@@ -596,7 +558,7 @@ def test_write_inside_the_region_after_a_save_uses_the_saved_value() -> None:
     got = torch.autograd.grad(checkpoint(block, x).sum(), [x, w])
     with tensorhooks.allow_mutation_on_saved_tensors():
         expected = torch.autograd.grad(block(x).sum(), [x, w])
-    _assert_close(got, expected)
+    assert_same(got, expected)
 
 
 # --- memory and leaks -----------------------------------------------------------------------------
@@ -604,8 +566,8 @@ def test_write_inside_the_region_after_a_save_uses_the_saved_value() -> None:
 
 def test_intermediates_are_not_alive_between_forward_and_backward() -> None:
     """The region's intermediates die after forward; recomputed ones die after backward."""
-    w1, w2 = _weights()
-    x = _input()
+    w1, w2 = weights()
+    x = input_tensor()
     refs: list[weakref.ref[torch.Tensor]] = []
 
     def block(h: torch.Tensor) -> torch.Tensor:
@@ -625,10 +587,10 @@ def test_intermediates_are_not_alive_between_forward_and_backward() -> None:
 
 def test_dropped_graph_frees_everything() -> None:
     """A graph dropped without backward frees the region's inputs and touches no store."""
-    w1, w2 = _weights()
-    h = _input() * 1
+    w1, w2 = weights()
+    h = input_tensor() * 1
     ref = weakref.ref(h)
-    out = checkpoint(_block(w1, w2), h)
+    out = checkpoint(block_of(w1, w2), h)
     del h
     assert ref() is not None  # saved as an input
     del out
@@ -638,8 +600,8 @@ def test_dropped_graph_frees_everything() -> None:
 
 def test_failed_backward_releases_recomputed_tensors() -> None:
     """A backward that raises part-way keeps nothing in the store or alive."""
-    w1, w2 = _weights()
-    x = _input()
+    w1, w2 = weights()
+    x = input_tensor()
     refs: list[weakref.ref[torch.Tensor]] = []
 
     def block(h: torch.Tensor) -> torch.Tensor:
@@ -647,7 +609,7 @@ def test_failed_backward_releases_recomputed_tensors() -> None:
         refs.append(weakref.ref(a))
         return FailingBackward.apply(a.exp() @ w2)  # type: ignore[no-any-return]
 
-    out = checkpoint(block, x).sum() * checkpoint(_block(w1, w2), x).sum()
+    out = checkpoint(block, x).sum() * checkpoint(block_of(w1, w2), x).sum()
     with pytest.raises(BackwardFailedError):
         out.backward()
     del out
@@ -658,7 +620,7 @@ def test_failed_backward_releases_recomputed_tensors() -> None:
 
 def test_error_during_recomputation_leaves_nothing() -> None:
     """A function that raises when run again fails backward cleanly."""
-    x = _input()
+    x = input_tensor()
     runs = []
 
     def block(h: torch.Tensor) -> torch.Tensor:
@@ -715,7 +677,7 @@ def test_forward_raising_inside_the_region_unwinds_its_contexts() -> None:
         raise KeyError("inside")
 
     with pytest.raises(KeyError, match="inside"):
-        checkpoint(block, _input(), context_fn=context_fn)
+        checkpoint(block, input_tensor(), context_fn=context_fn)
     assert top_saved_tensors_hooks is None or top_saved_tensors_hooks() is None
     from tensorhooks._core.torch_compat import current_dispatch_mode
 
@@ -726,212 +688,12 @@ def test_memory_is_flat_over_many_steps() -> None:
     """Thousands of steps leave no frames, holders or recomputed tensors behind."""
     from tensorhooks._checkpoint.recomputation import Frame as _Frame
 
-    w1, w2 = _weights()
+    w1, w2 = weights()
     for _ in range(2000):
-        x = _input()
-        checkpoint(_block(w1, w2), x).sum().backward()
+        x = input_tensor()
+        checkpoint(block_of(w1, w2), x).sum().backward()
     gc.collect()
     assert not [obj for obj in gc.get_objects() if type(obj) is _Frame]
-
-
-# --- selective checkpointing ----------------------------------------------------------------------
-
-
-def _policy(choice: CheckpointPolicy) -> Callable[..., CheckpointPolicy]:
-    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        return choice if op == aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return policy
-
-
-@pytest.mark.parametrize("factory", ["tensorhooks", "torch"])
-@pytest.mark.parametrize(
-    ("choice", "mm_runs"),
-    [
-        (CheckpointPolicy.MUST_SAVE, 0),
-        (CheckpointPolicy.PREFER_SAVE, 0),
-        (CheckpointPolicy.MUST_CPU_OFFLOAD, 0),
-        (CheckpointPolicy.PREFER_CPU_OFFLOAD, 0),
-        (CheckpointPolicy.MUST_RECOMPUTE, 2),
-        (CheckpointPolicy.PREFER_RECOMPUTE, 2),
-    ],
-)
-def test_ops_run_again_per_policy(choice: CheckpointPolicy, mm_runs: int, factory: str) -> None:
-    """An op marked SAVE or CPU_OFFLOAD is not run in recomputation; RECOMPUTE ones run again."""
-    make = (
-        tensorhooks.create_selective_checkpoint_contexts
-        if factory == "tensorhooks"
-        else torch_checkpoint.create_selective_checkpoint_contexts
-    )
-    w1, w2 = _weights()
-    x = _input()
-    out = checkpoint(_block(w1, w2), x, context_fn=functools.partial(make, _policy(choice)))
-    with OpCounter() as counter:
-        got = torch.autograd.grad(out.sum(), [x, w1, w2])
-    # The backward of each of the two mms runs two mms; recomputation adds the block's two.
-    backward_mms = 4
-    assert counter.counts.get(aten.mm.default, 0) == backward_mms + mm_runs
-    _assert_close(got, _grads(lambda: _block(w1, w2)(x), [x, w1, w2]))
-
-
-def test_op_list_saves_the_listed_ops() -> None:
-    """A list of ops saves those and recomputes the rest."""
-    w1, w2 = _weights()
-    x = _input()
-    context_fn = functools.partial(
-        tensorhooks.create_selective_checkpoint_contexts, [aten.mm.default, aten.sin.default]
-    )
-    out = checkpoint(_block(w1, w2), x, context_fn=context_fn)
-    with OpCounter() as counter:
-        out.sum().backward()
-    assert counter.counts.get(aten.sin.default, 0) == 0
-    assert counter.counts.get(aten.exp.default, 0) == 1
-
-
-def test_offloaded_outputs_go_through_save_on_cpu() -> None:
-    """CPU_OFFLOAD packs the op's output with save_on_cpu's machinery and copies it back."""
-    w1, w2 = _weights()
-    x = _input()
-    with simulated_device():
-        offload = tensorhooks.save_on_cpu(pin_memory=True, min_offload_bytes=0)
-        context_fn = functools.partial(
-            tensorhooks.create_selective_checkpoint_contexts,
-            _policy(CheckpointPolicy.MUST_CPU_OFFLOAD),
-            offload=offload,
-        )
-        out = checkpoint(_block(w1, w2), x, context_fn=context_fn)
-        copied_in_forward = tensorhooks.save_on_cpu.stats("cpu").bytes_to_host
-        got = torch.autograd.grad(out.sum(), [x, w1, w2])
-        copied_back = tensorhooks.save_on_cpu.stats("cpu").bytes_to_device
-    mm_bytes = 2 * 4 * 6 * 8  # the block's two mm outputs
-    assert copied_in_forward == mm_bytes
-    assert copied_back == mm_bytes
-    _assert_close(got, _grads(lambda: _block(w1, w2)(x), [x, w1, w2]))
-
-
-def test_offload_on_a_cpu_tensor_keeps_it_and_checks_its_version() -> None:
-    """On CPU an offloaded output stays put; changing it later in the region raises, as SAVE."""
-    w1, w2 = _weights()
-    x = _input()
-
-    def block(h: torch.Tensor) -> torch.Tensor:
-        a = torch.mm(h, w1)
-        b = a.sin()
-        a.mul_(2)
-        return b @ w2 + a
-
-    for choice in (CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.MUST_SAVE):
-        context_fn = functools.partial(
-            tensorhooks.create_selective_checkpoint_contexts, _policy(choice)
-        )
-        out = checkpoint(block, x, context_fn=context_fn)
-        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-            out.sum().backward()
-
-
-def test_allow_cache_entry_mutation_uses_the_changed_value() -> None:
-    """allow_cache_entry_mutation=True: the changed value is handed back, as in torch."""
-    w1, w2 = _weights()
-    x = _input()
-
-    def block(h: torch.Tensor) -> torch.Tensor:
-        a = torch.mm(h, w1)
-        a.mul_(2)
-        return a.sin() @ w2
-
-    context_fn = functools.partial(
-        tensorhooks.create_selective_checkpoint_contexts, [aten.mm.default], True
-    )
-    results = [
-        _grads(lambda run=run: run(block, x, context_fn=context_fn), [x, w1])
-        for run in (checkpoint, torch_ckpt)
-    ]
-    _assert_close(results[0], results[1])
-
-
-def test_saved_output_written_in_region_under_allow_mutation() -> None:
-    """Inside allow_mutation_on_saved_tensors a SAVE'd output written later keeps its value."""
-    w1, w2 = _weights()
-    x = _input()
-
-    def block(h: torch.Tensor) -> torch.Tensor:
-        a = torch.mm(h, w1)
-        b = a.sin()
-        a.mul_(2)
-        return b @ w2 + a.exp()
-
-    context_fn = functools.partial(
-        tensorhooks.create_selective_checkpoint_contexts, [aten.mm.default]
-    )
-    with tensorhooks.allow_mutation_on_saved_tensors():
-        loss = checkpoint(block, x, context_fn=context_fn).sum()
-        first = torch.autograd.grad(loss, [x, w1], retain_graph=True)
-        second = torch.autograd.grad(loss, [x, w1])
-        expected = torch.autograd.grad(block(x).sum(), [x, w1])
-    _assert_close(first, expected)
-    _assert_close(second, expected)
-
-
-def test_selective_retain_graph_twice() -> None:
-    """A selectively checkpointed region can be backwarded twice (torch raises)."""
-    w1, w2 = _weights()
-    x = _input()
-    context_fn = functools.partial(
-        tensorhooks.create_selective_checkpoint_contexts, [aten.mm.default]
-    )
-    loss = checkpoint(_block(w1, w2), x, context_fn=context_fn).sum()
-    first = torch.autograd.grad(loss, [x, w1], retain_graph=True)
-    second = torch.autograd.grad(loss, [x, w1])
-    _assert_close(first, second)
-
-
-def test_selective_mismatch_raises_checkpoint_error() -> None:
-    """Recomputation running an op the forward pass did not run raises CheckpointError."""
-    w1, _ = _weights()
-    x = _input()
-    flip = {"on": False}
-
-    def block(h: torch.Tensor) -> torch.Tensor:
-        a = torch.mm(h, w1).sin()
-        return a.cos().cos() if flip["on"] else a.exp()
-
-    context_fn = functools.partial(
-        tensorhooks.create_selective_checkpoint_contexts, [aten.mm.default]
-    )
-    out = checkpoint(block, x, context_fn=context_fn, early_stop=False)
-    flip["on"] = True
-    with pytest.raises(CheckpointError, match="not in the forward pass"):
-        out.sum().backward()
-
-
-@pytest.mark.parametrize(
-    ("argument", "error", "message"),
-    [
-        ([aten.mm], tensorhooks.CheckpointArgumentValueError, "expected OpOverloads"),
-        (3, tensorhooks.CheckpointArgumentTypeError, "a function or a list"),
-    ],
-)
-def test_selective_contexts_reject_bad_policies(
-    argument: Any, error: type[Exception], message: str
-) -> None:
-    """Only OpOverload lists and callables are policies."""
-    with pytest.raises(error, match=message):
-        tensorhooks.create_selective_checkpoint_contexts(argument)
-
-
-def test_policy_returning_garbage_raises() -> None:
-    """A policy that returns something other than a CheckpointPolicy or bool raises."""
-    context_fn = functools.partial(
-        tensorhooks.create_selective_checkpoint_contexts, lambda *a, **k: "save"
-    )
-    with pytest.raises(tensorhooks.CheckpointArgumentTypeError, match="return a CheckpointPolicy"):
-        checkpoint(torch.sin, _input(), context_fn=context_fn)
-
-
-def test_offload_must_be_save_on_cpu() -> None:
-    """offload= takes a tensorhooks.save_on_cpu."""
-    with pytest.raises(tensorhooks.CheckpointArgumentTypeError, match="save_on_cpu"):
-        tensorhooks.create_selective_checkpoint_contexts([], offload=object())  # type: ignore[arg-type]
 
 
 # --- compositions ---------------------------------------------------------------------------------
@@ -939,14 +701,14 @@ def test_offload_must_be_save_on_cpu() -> None:
 
 def test_save_on_cpu_outside_offloads_the_region_inputs() -> None:
     """save_on_cpu around a checkpoint copies the region's saved inputs (pytorch 84907)."""
-    w1, w2 = _weights()
-    x = _input()
+    w1, w2 = weights()
+    x = input_tensor()
     with simulated_device():
         with tensorhooks.save_on_cpu(pin_memory=True, min_offload_bytes=0):
-            out = checkpoint(_block(w1, w2), x * 1)
+            out = checkpoint(block_of(w1, w2), x * 1)
         assert tensorhooks.save_on_cpu.stats("cpu").bytes_to_host == 4 * 6 * 8  # one input
         got = torch.autograd.grad(out.sum(), [x, w1, w2])
-    _assert_close(got, _grads(lambda: _block(w1, w2)(x * 1), [x, w1, w2]))
+    assert_same(got, grads(lambda: block_of(w1, w2)(x * 1), [x, w1, w2]))
 
 
 @pytest.mark.parametrize(
@@ -961,13 +723,13 @@ def test_save_on_cpu_outside_a_selective_region(
     outer_min_bytes: int, offload_is_outer: bool, copies: int
 ) -> None:
     """save_on_cpu around a selective region offloads its inputs; CPU_OFFLOAD follows offload=."""
-    w1, w2 = _weights()
-    x = _input()
+    w1, w2 = weights()
+    x = input_tensor()
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if op == aten.sin.default:
             return CheckpointPolicy.MUST_SAVE  # kept on its device, whatever is around
-        return _policy(CheckpointPolicy.MUST_CPU_OFFLOAD)(ctx, op)
+        return mm_policy(CheckpointPolicy.MUST_CPU_OFFLOAD)(ctx, op)
 
     with simulated_device() as sim:
         outer = tensorhooks.save_on_cpu(pin_memory=True, min_offload_bytes=outer_min_bytes)
@@ -976,7 +738,7 @@ def test_save_on_cpu_outside_a_selective_region(
             tensorhooks.create_selective_checkpoint_contexts, policy, **options
         )
         with outer:
-            out = checkpoint(_block(w1, w2), x * 1, context_fn=context_fn)
+            out = checkpoint(block_of(w1, w2), x * 1, context_fn=context_fn)
         assert [entry for entry in sim.log if entry[0] == "to_host"] == [
             ("to_host", tag) for tag in range(copies)
         ]
@@ -986,25 +748,25 @@ def test_save_on_cpu_outside_a_selective_region(
     assert stats.bytes_to_host == stats.bytes_to_device == copies * 4 * 6 * 8
     assert counter.counts.get(aten.mm.default, 0) == 4  # only the two mms' backward: none re-run
     assert counter.counts.get(aten.sin.default, 0) == 0
-    _assert_close(got, _grads(lambda: _block(w1, w2)(x * 1), [x, w1, w2]))
+    assert_same(got, grads(lambda: block_of(w1, w2)(x * 1), [x, w1, w2]))
 
 
 def test_save_on_cpu_inside_the_region() -> None:
     """save_on_cpu inside the function: its hooks are innermost, gradients are right."""
-    w1, w2 = _weights()
-    x = _input()
+    w1, w2 = weights()
+    x = input_tensor()
 
     def block(h: torch.Tensor) -> torch.Tensor:
         with tensorhooks.save_on_cpu():
-            return _block(w1, w2)(h)
+            return block_of(w1, w2)(h)
 
-    _assert_close(_grads(lambda: checkpoint(block, x), [x, w1]), _grads(lambda: block(x), [x, w1]))
+    assert_same(grads(lambda: checkpoint(block, x), [x, w1]), grads(lambda: block(x), [x, w1]))
 
 
 def test_user_hooks_outside_see_the_tensors_the_region_keeps() -> None:
     """Hooks around a checkpoint pack the region's inputs, not its intermediates."""
-    w1, w2 = _weights()
-    x = _input()
+    w1, w2 = weights()
+    x = input_tensor()
     packed: list[torch.Tensor] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -1012,7 +774,7 @@ def test_user_hooks_outside_see_the_tensors_the_region_keeps() -> None:
         return t
 
     with tensorhooks.saved_tensors_hooks(pack, lambda t: t):
-        out = checkpoint(lambda h, scale: _block(w1, w2)(h) * scale, x, 2.0)
+        out = checkpoint(lambda h, scale: block_of(w1, w2)(h) * scale, x, 2.0)
     assert len(packed) == 1
     assert packed[0] is x
     out.sum().backward()
@@ -1021,7 +783,7 @@ def test_user_hooks_outside_see_the_tensors_the_region_keeps() -> None:
 def test_mutation_context_around_a_region_that_writes_its_input() -> None:
     """allow_mutation_on_saved_tensors around `h += h * w`: plain autograd's gradient."""
     w = torch.randn(6, dtype=torch.float64, requires_grad=True)
-    h0 = _input()
+    h0 = input_tensor()
 
     def block(h: torch.Tensor) -> torch.Tensor:
         n = h * w
@@ -1034,8 +796,8 @@ def test_mutation_context_around_a_region_that_writes_its_input() -> None:
             loss = run(block, h0 * 1).sum()
             results.append(torch.autograd.grad(loss, [h0, w], retain_graph=True))
             if run is checkpoint:
-                _assert_close(results[-1], torch.autograd.grad(loss, [h0, w]))
-    _assert_close(results[0], results[1])
+                assert_same(results[-1], torch.autograd.grad(loss, [h0, w]))
+    assert_same(results[0], results[1])
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         checkpoint(block, h0 * 1).sum().backward()
 
@@ -1043,7 +805,7 @@ def test_mutation_context_around_a_region_that_writes_its_input() -> None:
 def test_mutation_context_inside_the_region() -> None:
     """allow_mutation_on_saved_tensors inside the function behaves as it does without one."""
     w = torch.randn(6, dtype=torch.float64, requires_grad=True)
-    x = _input()
+    x = input_tensor()
 
     def block(h: torch.Tensor) -> torch.Tensor:
         with tensorhooks.allow_mutation_on_saved_tensors():
@@ -1149,10 +911,10 @@ def test_sync_gradients_over_a_checkpointed_model(monkeypatch: pytest.MonkeyPatc
 
 def test_concurrent_backward_on_many_threads() -> None:
     """Threads backwarding through their own graphs, and one shared graph, agree with plain."""
-    w1, w2 = _weights()
-    x = _input()
-    expected = _grads(lambda: _block(w1, w2)(x), [x, w1, w2])
-    shared = checkpoint(_block(w1, w2), x).sum()
+    w1, w2 = weights()
+    x = input_tensor()
+    expected = grads(lambda: block_of(w1, w2)(x), [x, w1, w2])
+    shared = checkpoint(block_of(w1, w2), x).sum()
     errors: list[BaseException] = []
     barrier = threading.Barrier(4)
 
@@ -1160,9 +922,9 @@ def test_concurrent_backward_on_many_threads() -> None:
         try:
             barrier.wait()
             for _ in range(20):
-                own = checkpoint(_block(w1, w2), x).sum()
-                _assert_close(torch.autograd.grad(own, [x, w1, w2]), expected)
-                _assert_close(torch.autograd.grad(shared, [x, w1, w2], retain_graph=True), expected)
+                own = checkpoint(block_of(w1, w2), x).sum()
+                assert_same(torch.autograd.grad(own, [x, w1, w2]), expected)
+                assert_same(torch.autograd.grad(shared, [x, w1, w2], retain_graph=True), expected)
         except BaseException as error:
             errors.append(error)
 
@@ -1186,5 +948,5 @@ def test_is_recomputing_is_per_thread() -> None:
             thread.join()
         return h.sin()
 
-    checkpoint(block, _input()).sum().backward()
+    checkpoint(block, input_tensor()).sum().backward()
     assert seen == [False]

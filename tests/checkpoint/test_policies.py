@@ -1,0 +1,390 @@
+"""Selective checkpointing: per-op save, recompute and offload; views, in-place ops, leaks."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tensorhooks
+from tensorhooks import CheckpointError, CheckpointPolicy, checkpoint
+from tests.checkpoint.common import (
+    OpCounter,
+    assert_same,
+    block_of,
+    grads,
+    input_tensor,
+    mm_policy,
+    weights,
+)
+from tests.simdevice import simulated_device
+
+aten = torch.ops.aten
+
+
+@pytest.mark.parametrize("factory", ["tensorhooks", "torch"])
+@pytest.mark.parametrize(
+    ("choice", "mm_runs"),
+    [
+        (CheckpointPolicy.MUST_SAVE, 0),
+        (CheckpointPolicy.PREFER_SAVE, 0),
+        (CheckpointPolicy.MUST_CPU_OFFLOAD, 0),
+        (CheckpointPolicy.PREFER_CPU_OFFLOAD, 0),
+        (CheckpointPolicy.MUST_RECOMPUTE, 2),
+        (CheckpointPolicy.PREFER_RECOMPUTE, 2),
+    ],
+)
+def test_ops_run_again_per_policy(choice: CheckpointPolicy, mm_runs: int, factory: str) -> None:
+    """An op marked SAVE or CPU_OFFLOAD is not run in recomputation; RECOMPUTE ones run again."""
+    make = (
+        tensorhooks.create_selective_checkpoint_contexts
+        if factory == "tensorhooks"
+        else torch_checkpoint.create_selective_checkpoint_contexts
+    )
+    w1, w2 = weights()
+    x = input_tensor()
+    out = checkpoint(block_of(w1, w2), x, context_fn=functools.partial(make, mm_policy(choice)))
+    with OpCounter() as counter:
+        got = torch.autograd.grad(out.sum(), [x, w1, w2])
+    # The backward of each of the two mms runs two mms; recomputation adds the block's two.
+    backward_mms = 4
+    assert counter.counts.get(aten.mm.default, 0) == backward_mms + mm_runs
+    assert_same(got, grads(lambda: block_of(w1, w2)(x), [x, w1, w2]))
+
+
+def test_op_list_saves_the_listed_ops() -> None:
+    """A list of ops saves those and recomputes the rest."""
+    w1, w2 = weights()
+    x = input_tensor()
+    context_fn = functools.partial(
+        tensorhooks.create_selective_checkpoint_contexts, [aten.mm.default, aten.sin.default]
+    )
+    out = checkpoint(block_of(w1, w2), x, context_fn=context_fn)
+    with OpCounter() as counter:
+        out.sum().backward()
+    assert counter.counts.get(aten.sin.default, 0) == 0
+    assert counter.counts.get(aten.exp.default, 0) == 1
+
+
+def test_offloaded_outputs_go_through_save_on_cpu() -> None:
+    """CPU_OFFLOAD packs the op's output with save_on_cpu's machinery and copies it back."""
+    w1, w2 = weights()
+    x = input_tensor()
+    with simulated_device():
+        offload = tensorhooks.save_on_cpu(pin_memory=True, min_offload_bytes=0)
+        context_fn = functools.partial(
+            tensorhooks.create_selective_checkpoint_contexts,
+            mm_policy(CheckpointPolicy.MUST_CPU_OFFLOAD),
+            offload=offload,
+        )
+        out = checkpoint(block_of(w1, w2), x, context_fn=context_fn)
+        copied_in_forward = tensorhooks.save_on_cpu.stats("cpu").bytes_to_host
+        got = torch.autograd.grad(out.sum(), [x, w1, w2])
+        copied_back = tensorhooks.save_on_cpu.stats("cpu").bytes_to_device
+    mm_bytes = 2 * 4 * 6 * 8  # the block's two mm outputs
+    assert copied_in_forward == mm_bytes
+    assert copied_back == mm_bytes
+    assert_same(got, grads(lambda: block_of(w1, w2)(x), [x, w1, w2]))
+
+
+def test_offload_on_a_cpu_tensor_keeps_it_and_checks_its_version() -> None:
+    """On CPU an offloaded output stays put; changing it later in the region raises, as SAVE."""
+    w1, w2 = weights()
+    x = input_tensor()
+
+    def block(h: torch.Tensor) -> torch.Tensor:
+        a = torch.mm(h, w1)
+        b = a.sin()
+        a.mul_(2)
+        return b @ w2 + a
+
+    for choice in (CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.MUST_SAVE):
+        context_fn = functools.partial(
+            tensorhooks.create_selective_checkpoint_contexts, mm_policy(choice)
+        )
+        out = checkpoint(block, x, context_fn=context_fn)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+
+
+def test_allow_cache_entry_mutation_recomputes_a_written_output() -> None:
+    """allow_cache_entry_mutation=True: a saved output the region writes is recomputed, not reused.
+
+    torch hands the written value back and the write is applied a second time.
+    """
+    w1, w2 = weights()
+    x = input_tensor()
+
+    def block(h: torch.Tensor) -> torch.Tensor:
+        a = torch.mm(h, w1)
+        a.mul_(2)
+        return a.sin() @ w2
+
+    for make in (
+        tensorhooks.create_selective_checkpoint_contexts,
+        torch_checkpoint.create_selective_checkpoint_contexts,
+    ):
+        context_fn = functools.partial(make, [aten.mm.default], True)
+        assert_same(
+            grads(
+                lambda context_fn=context_fn: checkpoint(block, x, context_fn=context_fn), [x, w1]
+            ),
+            grads(lambda: block(x), [x, w1]),
+        )
+
+
+def test_saved_output_written_in_region_under_allow_mutation() -> None:
+    """Inside allow_mutation_on_saved_tensors a SAVE'd output written later keeps its value."""
+    w1, w2 = weights()
+    x = input_tensor()
+
+    def block(h: torch.Tensor) -> torch.Tensor:
+        a = torch.mm(h, w1)
+        b = a.sin()
+        a.mul_(2)
+        return b @ w2 + a.exp()
+
+    context_fn = functools.partial(
+        tensorhooks.create_selective_checkpoint_contexts, [aten.mm.default]
+    )
+    with tensorhooks.allow_mutation_on_saved_tensors():
+        loss = checkpoint(block, x, context_fn=context_fn).sum()
+        first = torch.autograd.grad(loss, [x, w1], retain_graph=True)
+        second = torch.autograd.grad(loss, [x, w1])
+        expected = torch.autograd.grad(block(x).sum(), [x, w1])
+    assert_same(first, expected)
+    assert_same(second, expected)
+
+
+def test_selective_retain_graph_twice() -> None:
+    """A selectively checkpointed region can be backwarded twice (torch raises)."""
+    w1, w2 = weights()
+    x = input_tensor()
+    context_fn = functools.partial(
+        tensorhooks.create_selective_checkpoint_contexts, [aten.mm.default]
+    )
+    loss = checkpoint(block_of(w1, w2), x, context_fn=context_fn).sum()
+    first = torch.autograd.grad(loss, [x, w1], retain_graph=True)
+    second = torch.autograd.grad(loss, [x, w1])
+    assert_same(first, second)
+
+
+def test_selective_mismatch_raises_checkpoint_error() -> None:
+    """Recomputation running an op the forward pass did not run raises CheckpointError."""
+    w1, _ = weights()
+    x = input_tensor()
+    flip = {"on": False}
+
+    def block(h: torch.Tensor) -> torch.Tensor:
+        a = torch.mm(h, w1).sin()
+        return a.cos().cos() if flip["on"] else a.exp()
+
+    context_fn = functools.partial(
+        tensorhooks.create_selective_checkpoint_contexts, [aten.mm.default]
+    )
+    out = checkpoint(block, x, context_fn=context_fn, early_stop=False)
+    flip["on"] = True
+    with pytest.raises(CheckpointError, match="not in the forward pass"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize(
+    ("argument", "error", "message"),
+    [
+        ([aten.mm], tensorhooks.CheckpointArgumentValueError, "expected OpOverloads"),
+        (3, tensorhooks.CheckpointArgumentTypeError, "a function or a list"),
+    ],
+)
+def test_selective_contexts_reject_bad_policies(
+    argument: Any, error: type[Exception], message: str
+) -> None:
+    """Only OpOverload lists and callables are policies."""
+    with pytest.raises(error, match=message):
+        tensorhooks.create_selective_checkpoint_contexts(argument)
+
+
+def test_policy_returning_garbage_raises() -> None:
+    """A policy that returns something other than a CheckpointPolicy or bool raises."""
+    context_fn = functools.partial(
+        tensorhooks.create_selective_checkpoint_contexts, lambda *a, **k: "save"
+    )
+    with pytest.raises(tensorhooks.CheckpointArgumentTypeError, match="return a CheckpointPolicy"):
+        checkpoint(torch.sin, input_tensor(), context_fn=context_fn)
+
+
+def test_offload_must_be_save_on_cpu() -> None:
+    """offload= takes a tensorhooks.save_on_cpu."""
+    with pytest.raises(tensorhooks.CheckpointArgumentTypeError, match="save_on_cpu"):
+        tensorhooks.create_selective_checkpoint_contexts([], offload=object())  # type: ignore[arg-type]
+
+
+# --- views, in-place ops and what recomputation hands out -----------------------------------------
+
+
+def _save_everything(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE
+
+
+def _slicing_block(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    def block(h: torch.Tensor) -> torch.Tensor:
+        a = h @ w
+        return a[:, :3].sin().sum() + (a.t() * 2).exp().sum() + a.split(2, dim=1)[1].cos().sum()
+
+    return block
+
+
+FACTORIES = {
+    "tensorhooks": tensorhooks.create_selective_checkpoint_contexts,
+    "torch": torch_checkpoint.create_selective_checkpoint_contexts,
+}
+
+
+@pytest.mark.parametrize("factory", sorted(FACTORIES))
+def test_saved_views_work_with_retain_graph_and_double_backward(factory: str) -> None:
+    """A policy saving view ops: a second backward and double backward give plain gradients."""
+    w, _ = weights()
+    x = input_tensor()
+    block = _slicing_block(w)
+    context_fn = functools.partial(FACTORIES[factory], _save_everything)
+    out = checkpoint(block, x, context_fn=context_fn)
+    first = torch.autograd.grad(out, [x, w], retain_graph=True)
+    second = torch.autograd.grad(out, [x, w])
+    expected = torch.autograd.grad(block(x), [x, w])
+    assert_same(first, expected)
+    assert_same(second, expected)
+    (gx,) = torch.autograd.grad(checkpoint(block, x, context_fn=context_fn), [x], create_graph=True)
+    (plain_gx,) = torch.autograd.grad(block(x), [x], create_graph=True)
+    assert_same(torch.autograd.grad(gx.sum(), [w]), torch.autograd.grad(plain_gx.sum(), [w]))
+
+
+def test_view_ops_are_replayed_not_served() -> None:
+    """View ops run again in recomputation whatever the policy says; the saved mm does not."""
+    w, _ = weights()
+    x = input_tensor()
+    context_fn = functools.partial(
+        tensorhooks.create_selective_checkpoint_contexts, _save_everything
+    )
+
+    def block(h: torch.Tensor) -> torch.Tensor:
+        a = h @ w
+        return (a.t()[1:] * 1).sin().sum()
+
+    out = checkpoint(block, x, context_fn=context_fn)
+    with OpCounter() as counter:
+        got = torch.autograd.grad(out, [x, w])
+    assert counter.counts.get(aten.t.default, 0) >= 1  # replayed
+    assert counter.counts.get(aten.slice.Tensor, 0) >= 1
+    assert counter.counts.get(aten.mm.default, 0) == 2  # backward's two, none recomputed
+    assert_same(got, torch.autograd.grad(block(x), [x, w]))
+
+
+@pytest.mark.parametrize("factory", sorted(FACTORIES))
+@pytest.mark.parametrize(
+    "choice",
+    [
+        CheckpointPolicy.MUST_SAVE,
+        CheckpointPolicy.PREFER_CPU_OFFLOAD,
+        CheckpointPolicy.MUST_RECOMPUTE,
+    ],
+)
+def test_no_storage_outlives_backward(factory: str, choice: CheckpointPolicy) -> None:
+    """Every tensor a selective region makes, forward and recomputation, dies after backward."""
+    w, _ = weights()
+    made: list[weakref.ref[torch.Tensor]] = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            out = func(*args, **(kwargs or {}))
+            made.extend(weakref.ref(t) for t in _tensors(out))
+            return out
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return choice
+
+    context_fn = functools.partial(FACTORIES[factory], policy)
+    block = _slicing_block(w)
+    for _ in range(3):
+        x = input_tensor()
+        with Spy():
+            out = checkpoint(block, x, context_fn=context_fn)
+            torch.autograd.grad(out, [x, w])
+        del out, x
+    gc.collect()
+    assert made
+    assert [ref() for ref in made if ref() is not None] == []
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def test_saved_output_written_by_the_region_names_the_op_and_policy() -> None:
+    """MUST_SAVE on an output the region then writes: autograd's error naming op and policy."""
+    w, _ = weights()
+    x = input_tensor()
+
+    def attention(h: torch.Tensor) -> torch.Tensor:
+        scores = h @ w
+        scores.mul_(0.5)
+        return scores.softmax(-1).sum()
+
+    context_fn = functools.partial(
+        tensorhooks.create_selective_checkpoint_contexts, _save_everything
+    )
+    out = checkpoint(attention, x, context_fn=context_fn)
+    with pytest.raises(
+        tensorhooks.SavedTensorModifiedError,
+        match=r"(?s)modified by an inplace operation.*aten\.mm\.default \(call 0\).*\(MUST_SAVE\)"
+        r".*allow_cache_entry_mutation=True",
+    ):
+        torch.autograd.grad(out, [x])
+
+
+def test_saved_view_written_after_forward_raises() -> None:
+    """A saved output written through a view before backward raises, never a silent gradient."""
+    w, _ = weights()
+    x = input_tensor()
+
+    def block(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = h @ w
+        return a[:, :2], a.exp().sum()
+
+    context_fn = functools.partial(
+        tensorhooks.create_selective_checkpoint_contexts, _save_everything
+    )
+    view, out = checkpoint(block, x, context_fn=context_fn)
+    with torch.no_grad():
+        view.mul_(2)
+    with pytest.raises(tensorhooks.SavedTensorModifiedError, match="selective checkpoint policy"):
+        torch.autograd.grad(out, [x])
+
+
+def test_save_everything_with_dropout_under_allow_mutation() -> None:
+    """A save-all policy over dropout inside allow_mutation gives plain autograd's gradient."""
+    w, _ = weights()
+    x = input_tensor()
+
+    def block(h: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(h @ w, 0.5, training=True).sin().sum()
+
+    context_fn = functools.partial(
+        tensorhooks.create_selective_checkpoint_contexts, _save_everything
+    )
+    torch.manual_seed(3)
+    with tensorhooks.allow_mutation_on_saved_tensors():
+        got = torch.autograd.grad(checkpoint(block, x, context_fn=context_fn), [x, w])
+    torch.manual_seed(3)
+    assert_same(got, torch.autograd.grad(block(x), [x, w]))
