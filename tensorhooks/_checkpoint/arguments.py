@@ -6,12 +6,12 @@ See NOTE [Checkpointing on saved-tensor hooks] in recomputation.py, "Inputs".
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from tensorhooks._core.guards import modified_error
-from tensorhooks._core.torch_compat import make_saved_tensor, top_saved_tensors_hooks
+from tensorhooks._core.torch_compat import make_saved_tensor, storage_key, top_saved_tensors_hooks
 
 __all__ = ["Arguments", "save_inputs"]
 
@@ -89,7 +89,7 @@ class Arguments:
     See NOTE [Checkpointing on saved-tensor hooks], "Inputs".
     """
 
-    __slots__ = ("args", "kwargs")
+    __slots__ = ("args", "kwargs", "shared")
 
     def __init__(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[torch.Tensor]
@@ -97,10 +97,71 @@ class Arguments:
         seen: dict[int, int] = {}
         self.args = _take_tensors(args, tensors, seen)
         self.kwargs = _take_tensors(kwargs, tensors, seen)
+        self.shared = _shared_storages(tensors)
+
+    def writable_copies(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Non-leaf copies of ``tensors`` for a function that writes them, aliasing kept.
+
+        Inputs that shared a storage in the call (a tensor and a view of it, overlapping
+        slices) share one in the copies too, with the same geometry, so a write through one
+        reaches the others as it did in the forward pass. The copies are connected to nothing
+        that matters for the gradient: recomputation only reads their values.
+        """
+        with torch.enable_grad():
+            copies = [t.detach().requires_grad_(t.requires_grad).clone() for t in tensors]
+            for group in self.shared:
+                _share(copies, tensors, group)
+        return copies
 
     def rebuild(self, tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The arguments again, with ``tensors`` in the places the inputs were."""
         return _put_tensors(self.args, tensors), _put_tensors(self.kwargs, tensors)
+
+
+class _Layout(NamedTuple):
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def _shared_storages(tensors: list[torch.Tensor]) -> list[list[tuple[int, _Layout]]]:
+    """Groups of strided inputs of one dtype that share a storage, with their layouts."""
+    groups: dict[tuple[int, torch.dtype], list[tuple[int, _Layout]]] = {}
+    for index, tensor in enumerate(tensors):
+        key = storage_key(tensor) if tensor.layout == torch.strided else None
+        if key is not None:
+            layout = _Layout(int(tensor.storage_offset()), tuple(tensor.shape), tensor.stride())
+            groups.setdefault((key, tensor.dtype), []).append((index, layout))
+    return [group for group in groups.values() if len(group) > 1]
+
+
+def _end(layout: _Layout) -> int:
+    """One past the last element ``layout`` reaches (strides of tensors are never negative)."""
+    if 0 in layout.size:
+        return layout.offset
+    last = sum((n - 1) * s for n, s in zip(layout.size, layout.stride, strict=True))
+    return layout.offset + last + 1
+
+
+def _share(
+    copies: list[torch.Tensor], values: list[torch.Tensor], group: list[tuple[int, _Layout]]
+) -> None:
+    """Make the copies of ``group`` views of one base holding each one's value, in place."""
+    first = copies[group[0][0]]
+    extent = max(
+        layout.offset
+        + sum((n - 1) * s for n, s in zip(layout.size, layout.stride, strict=True))
+        + 1
+        for _, layout in group
+    )
+    requires_grad = any(values[index].requires_grad for index, _ in group)
+    with torch.no_grad():
+        flat = torch.zeros(extent, dtype=first.dtype, device=first.device)
+        for index, layout in group:
+            flat.as_strided(layout.size, layout.stride, layout.offset).copy_(values[index])
+    base = flat.requires_grad_(requires_grad).clone()
+    for index, layout in group:
+        copies[index] = base.as_strided(layout.size, layout.stride, layout.offset)
 
 
 def save_inputs(tensors: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:

@@ -5,6 +5,7 @@ See NOTE [Checkpointing on saved-tensor hooks].
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
@@ -23,16 +24,15 @@ from tensorhooks._core.guards import (
 )
 from tensorhooks._core.store import graph_task_store
 from tensorhooks._core.torch_compat import (
-    PYTHON_DISPATCH_KEY,
+    below_python_modes,
     current_graph_task_id,
-    is_dispatch_key_excluded,
     pop_saved_tensors_hooks,
     push_saved_tensors_hooks,
-    set_dispatch_key_excluded,
 )
 
 from .arguments import Arguments
 from .replay import RegionState
+from .state import OutsideState, Substitution
 
 __all__ = ["DETERMINISM_CHECKS", "Frame", "is_recomputing", "raise_changed_input", "unpack_holder"]
 
@@ -76,15 +76,10 @@ __all__ = ["DETERMINISM_CHECKS", "Frame", "is_recomputing", "raise_changed_input
 # autograd's in-place error at unpack, so the frame keeps that error (with a detached alias for
 # its message) instead of the input.
 #
-# Tensors from elsewhere. A tensor that the function reaches other ways (a closure, a module
-# attribute) is read again by recomputation. The saved tensors still alive when the forward
-# pass ends are those (and the inputs, which their saved form checks); the frame keeps a weak
-# reference to each and its version then. One whose version moved before a recomputation was
-# changed in place in between; if recomputation saves that very tensor again, it read the
-# changed value, and the unpack of that position raises autograd's in-place error, as plain
-# autograd's unpack would (torch's checkpoint silently uses the changed value). Writes made by
-# the region itself, in the forward pass or a recomputation, count as the region's: a function
-# that writes the same values into a buffer on every run is not flagged.
+# Tensors from elsewhere. A tensor that the function reaches other ways (a module's parameters
+# and buffers, a closure's tensors, the base of a view it saved) is read again by recomputation,
+# which must read what the forward pass read: see NOTE [Tensors a region reaches outside its
+# arguments] in state.py.
 #
 # Both pairs are wrapped by the save guard of the thread that pushes them, like every pair of the
 # toolkit, and registered as protected: the region's pack keeps no tensor data, and the
@@ -150,30 +145,16 @@ class _Holder(SavedCopy):
         self.index = index
 
 
-class _Outside:
-    """A tensor the forward pass saved that outlived it (a closure's, a module's), by position.
-
-    See NOTE [Checkpointing on saved-tensor hooks], "Tensors from elsewhere".
-    """
-
-    __slots__ = ("ref", "version")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.ref = weakref.ref(tensor)
-        self.version = tensor._version  # as the region's runs left it
-
-
 class _Recomputation:
     """One graph task's recomputation of one region: the tensors kept, by position."""
 
-    __slots__ = ("count", "done", "ignore_mismatch", "kept", "lock", "moved", "stale", "tensors")
+    __slots__ = ("count", "done", "ignore_mismatch", "kept", "lock", "substitution", "tensors")
 
     def __init__(self) -> None:
         self.tensors: dict[int, torch.Tensor] = {}
-        # Positions of tensors from elsewhere changed since the forward pass: (now, expected).
-        self.moved: dict[int, tuple[int, int]] = {}
-        self.stale: dict[int, tuple[int, int]] = {}  # those of them recomputation read again
         self.kept: list[tuple[torch.Tensor, int]] = []
+        # What recomputation reads instead of tensors from elsewhere (see state.py).
+        self.substitution: Substitution | None = None
         self.count = 0
         self.done = False
         self.ignore_mismatch = False
@@ -181,7 +162,6 @@ class _Recomputation:
 
     def reset(self) -> None:
         self.tensors.clear()
-        self.stale.clear()
         self.kept.clear()
         self.count = 0
         self.ignore_mismatch = False
@@ -231,7 +211,7 @@ class Frame:
         self.holders: list[weakref.ref[_Holder]] = []
         self.metadata: list[Any] = []
         self.saved: list[weakref.ref[torch.Tensor]] = []  # during the forward pass only
-        self.outside: dict[int, _Outside] = {}
+        self.outside: OutsideState | None = None
         self.inputs: Callable[[], list[torch.Tensor]] = list
         self.arguments = Arguments((), {}, [])
         self.forward_completed = False
@@ -247,22 +227,16 @@ class Frame:
         return holder
 
     def seal(self) -> None:
-        """At the end of the forward pass: note the saved tensors that outlive it."""
+        """At the end of the forward pass: note what it wrote and the saved tensors outliving it."""
         self.forward_completed = True
-        for index, ref in enumerate(self.saved):
-            tensor = ref()
-            if tensor is not None:
-                self.outside[index] = _Outside(tensor)
+        if self.outside is not None:
+            self.outside.seal([tensor for ref in self.saved if (tensor := ref()) is not None])
         self.saved = []
 
     def recompute(self, state: _Recomputation) -> None:
         """Run the region again, keeping its saved tensors in ``state``; check them."""
-        starts = self._outside_versions()
-        state.moved = {
-            index: (now, self.outside[index].version)
-            for index, now in starts.items()
-            if now != self.outside[index].version
-        }
+        # See NOTE [Tensors a region reaches outside its arguments] in state.py.
+        state.substitution = None if self.outside is None else self.outside.substitution()
         self._run_again(state)
         if state.changed_in_place():
             # See NOTE [Checkpointing on saved-tensor hooks], "In-place writes".
@@ -270,40 +244,25 @@ class Frame:
             state.reset()
             self._run_again(state)
         state.kept.clear()
-        self._advance_outside(starts)
+        state.substitution = None
         self._check(state)
-
-    def _outside_versions(self) -> dict[int, int]:
-        versions = {}
-        for index, outside in self.outside.items():
-            tensor = outside.ref()
-            if tensor is not None:
-                versions[index] = tensor._version
-        return versions
-
-    def _advance_outside(self, starts: dict[int, int]) -> None:
-        """Count the recomputation's own writes to tensors from elsewhere as the region's."""
-        for index, start in starts.items():
-            outside = self.outside[index]
-            tensor = outside.ref()
-            if tensor is not None:
-                outside.version += tensor._version - start
 
     def _run_again(self, state: _Recomputation) -> None:
         tensors = self.inputs()
-        if self.clone_inputs:
-            # Non-leaf clones (the function writes to them), connected to nothing that matters.
-            with torch.enable_grad():
-                tensors = [t.detach().requires_grad_(t.requires_grad).clone() for t in tensors]
+        if self.clone_inputs:  # the function writes to them
+            tensors = self.arguments.writable_copies(tensors)
         args, kwargs = self.arguments.rebuild(tensors)
         pack, unpack = current_save_guard().wrap(
             functools.partial(_keep_recomputed, self, state), _identity
         )
         register_protected_pack_hook(pack)
         push_saved_tensors_hooks(pack, unpack)
+        substitute = (
+            contextlib.nullcontext() if state.substitution is None else state.substitution.mode()
+        )
         _recomputing.depth += 1
         try:
-            with torch.enable_grad(), self.region.replay(), self.recompute_context:
+            with torch.enable_grad(), self.region.replay(), substitute, self.recompute_context:
                 self.run(*args, **kwargs)
         except _StopRecomputation:
             pass
@@ -356,13 +315,12 @@ def _keep_recomputed(frame: Frame, state: _Recomputation, tensor: torch.Tensor) 
             "times."
         )
     kept = tensor.detach() if tensor.requires_grad else tensor
+    if state.substitution is not None:
+        kept = state.substitution.swap(kept)
     if frame.clone_saves:
         kept = _clone_below_modes(kept)
     if frame.holders[index]() is not None:  # else its node was already released
         state.tensors[index] = kept
-        moved = state.moved.get(index)
-        if moved is not None and frame.outside[index].ref() is tensor:
-            state.stale[index] = moved  # See NOTE [Checkpointing...], "Tensors from elsewhere"
         state.kept.append((kept, kept._version))
     if frame.early_stop and index + 1 == total:
         raise _StopRecomputation
@@ -374,12 +332,8 @@ def _clone_below_modes(tensor: torch.Tensor) -> torch.Tensor:
 
     The forward pass made no such clone, so a mode counting ops must not count it.
     """
-    was_excluded = is_dispatch_key_excluded(PYTHON_DISPATCH_KEY)
-    set_dispatch_key_excluded(PYTHON_DISPATCH_KEY, True)
-    try:
+    with below_python_modes():
         return tensor.clone()
-    finally:
-        set_dispatch_key_excluded(PYTHON_DISPATCH_KEY, was_excluded)
 
 
 def unpack_holder(holder: _Holder) -> torch.Tensor:
@@ -415,9 +369,6 @@ def _unpack_from(frame: Frame, index: int) -> torch.Tensor:
             "in one backward call. If a custom Function reads ctx.saved_tensors in backward, "
             "read it once and keep the result."
         )
-    stale = state.stale.get(index)
-    if stale is not None:
-        raise _changed_outside_error(tensor, *stale)
     return tensor
 
 
@@ -434,16 +385,3 @@ def raise_changed_input(tensor: torch.Tensor, version: int) -> Callable[[], list
         )
 
     return inputs
-
-
-def _changed_outside_error(
-    tensor: torch.Tensor, version: int, expected: int
-) -> SavedTensorModifiedError:
-    return SavedTensorModifiedError(
-        modified_message(tensor.type(), list(tensor.shape), version, expected)
-        + " Hint: the checkpointed function reads this tensor from outside its arguments (a "
-        "closure, a module attribute), and it was changed in place between the forward pass "
-        "and backward, so recomputation would use the changed value. Pass it to checkpoint as "
-        "an argument (then allow_mutation_on_saved_tensors() keeps its saved value), or change "
-        "it after backward."
-    )

@@ -28,6 +28,7 @@ from .arguments import Arguments, save_inputs
 from .policies import SelectiveForward, adopt_contexts
 from .recomputation import DETERMINISM_CHECKS, Frame, raise_changed_input, unpack_holder
 from .replay import RegionState, device_initialized
+from .state import OutsideState
 
 __all__ = ["checkpoint", "noop_context_fn"]
 
@@ -306,6 +307,7 @@ def _run_region(
     unhooked = top_saved_tensors_hooks is not None and top_saved_tensors_hooks() is None
     frame.inputs = save_inputs(tensors)
     frame.arguments = arguments
+    frame.outside = OutsideState(function, tensors)
     versions = [tensor._version for tensor in tensors]
     offload = (
         forward_context.offload_context()

@@ -14,10 +14,11 @@ except `make_saved_tensor` (from 2.12; its fallback runs on 2.11). See docs/torc
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ __all__ = [
     "OpOverload",
     "TorchDispatchMode",
     "UnwrappedDispatchMode",
+    "below_python_modes",
     "current_autograd_node",
     "current_dispatch_mode",
     "current_graph_task_id",
@@ -280,6 +282,21 @@ is_dispatch_key_excluded: Callable[[Any], bool] = _required(
     torch, "_C._dispatch_tls_is_dispatch_key_excluded", "2.4"
 )
 PYTHON_DISPATCH_KEY: Any = _required(torch, "_C.DispatchKey.Python", "2.4")
+
+
+@contextlib.contextmanager
+def below_python_modes() -> Iterator[None]:
+    """Run the body with the Python dispatch key excluded: no dispatch mode sees its ops.
+
+    For copies and aliases a feature makes for itself, which a mode counting or caching ops (a
+    selective checkpoint context, the user's) must not see. Built on the two entries above.
+    """
+    was_excluded = is_dispatch_key_excluded(PYTHON_DISPATCH_KEY)
+    set_dispatch_key_excluded(PYTHON_DISPATCH_KEY, True)
+    try:
+        yield
+    finally:
+        set_dispatch_key_excluded(PYTHON_DISPATCH_KEY, was_excluded)
 
 
 def op_schema(func: OpOverload) -> Any:

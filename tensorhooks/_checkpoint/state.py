@@ -1,0 +1,336 @@
+"""What a region reads and writes outside its arguments, and what recomputation must see of it.
+
+See NOTE [Tensors a region reaches outside its arguments].
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.nn.modules.batchnorm import _NormBase
+from torch.utils.checkpoint import CheckpointError
+
+from tensorhooks._core.errors import SavedTensorModifiedError
+from tensorhooks._core.guards import PackHook, UnpackHook, current_save_guard, modified_message
+from tensorhooks._core.torch_compat import TorchDispatchMode, below_python_modes, storage_key
+
+__all__ = ["OutsideState", "Substitution"]
+
+# NOTE [Tensors a region reaches outside its arguments]
+#
+# Recomputation runs the function again and reads, besides the saved inputs, whatever the
+# function reaches by other ways: a module's parameters and buffers, a closure's tensors. Plain
+# autograd saves what it needs when the forward pass runs; recomputation reads it again in
+# backward. It must read the values the forward pass read, and leave behind what the forward
+# pass left. Three ways that fails, each silent in torch's checkpoint:
+#   1. a tensor changed between the forward pass and backward (an optimizer or EMA step, a
+#      pipeline schedule): ``nn.Linear`` saves ``weight.t()``, a view that dies with the forward
+#      pass, so a check on saved tensors alone never sees the weight;
+#   2. state the region writes itself (a running statistic, a counter, the power iteration of
+#      ``spectral_norm``): recomputation reads the written value, and writes a second time;
+#   3. either of those through a view or an alias of the tensor.
+#
+# What is watched. When the region starts, the state the function reaches: the parameters and
+# buffers of a module (the function itself, the ``self`` of a bound method, or a module found
+# in the closure, the defaults or a ``functools.partial``'s arguments) and the tensors found
+# there, each with its version. When the forward pass ends, also the tensors it saved that are
+# still alive, and the bases of the views it saved (``weight.t()`` gives ``weight``), minus the
+# region's own inputs, which their saved form checks.
+#
+# What recomputation sees. A *substitution* maps a storage to a replacement holding the values
+# the forward pass read. A dispatch mode around recomputation reads every op's tensor arguments
+# on a substituted storage from the replacement (writes go there too, so the real tensor is left
+# as the forward pass left it), and the tensors recomputation saves are taken from it as well.
+# View ops pass through, so autograd's view tracking and the gradient's path to the real tensor
+# are untouched. Where the replacement comes from:
+#   - inside ``allow_mutation_on_saved_tensors`` every watched tensor is tracked by the
+#     context's save guard from the start, which clones it before any write, the region's own
+#     included: the clone is the value the forward pass read (case 1 and 2 alike);
+#   - otherwise a tensor that is state (neither a ``Parameter`` nor requiring grad: buffers,
+#     counters) is cloned when the region starts and the clone kept if the forward pass wrote it
+#     (case 2); one the forward pass did not write is only checked.
+# What cannot be seen is refused: a watched tensor changed after the forward pass outside that
+# context raises autograd's in-place error naming it (plain autograd raises too when it saved
+# the tensor; a silently recomputed new value is never used), and a weight that the region
+# itself wrote (``nn.Embedding(max_norm=...)``) raises a `CheckpointError` naming it, since its
+# value before the write was never copied. Not seen: tensors reached through globals or deeper
+# objects and never saved (the Limits section of docs/checkpoint.md). Cost: one version read per
+# watched tensor per call, clones of the state a module holds, and the dispatch mode only in
+# recomputations that substitute something.
+
+_MAX_DEPTH = 2  # closure -> partial -> module, at most
+
+
+class _Watched:
+    """A tensor the region reaches outside its arguments, with what is known of its value."""
+
+    __slots__ = ("handle", "hidden", "name", "ref", "start", "version", "written")
+
+    def __init__(self, name: str, tensor: torch.Tensor, hidden: bool) -> None:
+        self.name = name
+        self.ref = weakref.ref(tensor)
+        self.version = tensor._version
+        self.hidden = hidden  # torch may write it without moving its version
+        self.handle: Any = None  # what the save guard's pack returned, inside allow_mutation
+        self.start: torch.Tensor | None = None  # its value when the region started (state only)
+        self.written = False  # by the region's forward pass
+
+
+def _is_state(tensor: torch.Tensor) -> bool:
+    return not isinstance(tensor, torch.nn.Parameter) and not tensor.requires_grad
+
+
+# (name, tensor, whether torch's kernels may write it without moving its version)
+_Found = tuple[str, torch.Tensor, bool]
+
+# Buffers that torch's batch-norm kernels write without moving their version: in training mode
+# ``native_batch_norm`` (and its cuDNN and MIOpen variants) update the running statistics
+# although their schema declares no write, so the version counter cannot tell.
+_RUNNING_STATS = frozenset({"running_mean", "running_var"})
+
+
+def _module_tensors(prefix: str, module: torch.nn.Module) -> Iterator[_Found]:
+    for path, owner in module.named_modules(remove_duplicate=False):
+        at = f"{prefix}{path}." if path else prefix
+        hidden = isinstance(owner, _NormBase) and owner.training
+        for name, parameter in owner.named_parameters(recurse=False):
+            yield f"{at}{name}", parameter, False
+        for name, buffer in owner.named_buffers(recurse=False):
+            yield f"{at}{name}", buffer, hidden and name in _RUNNING_STATS
+
+
+def _reached(name: str, value: object, depth: int) -> Iterator[_Found]:
+    """The tensors (and modules' tensors) ``value`` is or holds, as far as `_MAX_DEPTH`."""
+    if isinstance(value, torch.Tensor):
+        yield name, value, False
+    elif isinstance(value, torch.nn.Module):
+        yield from _module_tensors(f"{name}.", value)
+    elif depth >= _MAX_DEPTH:
+        return
+    elif isinstance(value, types.MethodType):
+        yield from _reached(type(value.__self__).__name__, value.__self__, depth + 1)
+    elif isinstance(value, functools.partial):
+        yield from _reached(f"{name}.func", value.func, depth + 1)
+        for index, item in enumerate(value.args):
+            yield from _reached(f"{name}.args[{index}]", item, depth + 1)
+        for key, item in value.keywords.items():
+            yield from _reached(f"{name}.keywords[{key!r}]", item, depth + 1)
+    elif isinstance(value, types.FunctionType):
+        yield from _function_tensors(value, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _reached(f"{name}[{index}]", item, depth + 1)
+
+
+def _function_tensors(function: types.FunctionType, depth: int) -> Iterator[_Found]:
+    names = function.__code__.co_freevars
+    for name, cell in zip(names, function.__closure__ or (), strict=True):
+        try:
+            value = cell.cell_contents
+        except ValueError:  # not bound yet
+            continue
+        yield from _reached(name, value, depth)
+    for index, value in enumerate(function.__defaults__ or ()):
+        yield from _reached(f"default[{index}]", value, depth)
+
+
+def reachable_state(function: Callable[..., Any]) -> list[_Found]:
+    """The tensors ``function`` reaches besides its arguments, each once, with a name."""
+    found: dict[int, _Found] = {}
+    if isinstance(function, torch.nn.Module):
+        items: Iterator[_Found] = _module_tensors(f"{type(function).__name__}.", function)
+    else:
+        items = _reached(getattr(function, "__name__", "function"), function, 0)
+    for item in items:
+        found.setdefault(id(item[1]), item)
+    return list(found.values())
+
+
+class OutsideState:
+    """The tensors one region call reaches outside its arguments. See NOTE [Tensors a region...]."""
+
+    __slots__ = ("_pair", "_skip", "watched")
+
+    def __init__(self, function: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> None:
+        guard = current_save_guard()
+        self._pair: tuple[PackHook, UnpackHook] | None = (
+            guard.wrap(_identity, _identity) if guard.lets_saved_tensors_change else None
+        )
+        self._skip = {id(t) for t in inputs} | {id(t._base) for t in inputs if t._base is not None}
+        self.watched: list[_Watched] = []
+        for name, tensor, hidden in reachable_state(function):
+            if id(tensor) not in self._skip:
+                self._watch(name, tensor, hidden=hidden, at_start=True)
+
+    def _watch(self, name: str, tensor: torch.Tensor, *, hidden: bool, at_start: bool) -> None:
+        watched = _Watched(name, tensor, hidden)
+        self._skip.add(id(tensor))
+        if self._pair is not None and not hidden:
+            with below_python_modes():
+                watched.handle = self._pair[0](tensor.detach())
+        elif at_start and _is_state(tensor):
+            with below_python_modes():
+                watched.start = tensor.clone()
+        self.watched.append(watched)
+
+    def seal(self, saved: Sequence[torch.Tensor]) -> None:
+        """At the end of the forward pass: note what it wrote, and watch what it saved."""
+        for watched in self.watched:
+            tensor = watched.ref()
+            if tensor is None:
+                continue
+            if tensor._version != watched.version or watched.hidden:
+                watched.written = True
+                watched.version = tensor._version
+            elif watched.start is not None:
+                watched.start = None  # not written: the tensor itself holds the value
+        for tensor in saved:
+            base = tensor if tensor._base is None else tensor._base
+            if id(base) not in self._skip:
+                name = f"a tensor of shape {list(base.shape)}"
+                self._watch(name, base, hidden=False, at_start=False)
+
+    def substitution(self) -> Substitution | None:
+        """The values recomputation must read instead of the live ones; None if there are none.
+
+        Raises:
+            SavedTensorModifiedError: if a watched tensor was changed since the forward pass
+                and its value then was not kept.
+            CheckpointError: if the forward pass wrote a weight it reached from outside.
+        """
+        values: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for watched in self.watched:
+            tensor = watched.ref()
+            if tensor is None:
+                continue
+            value = self._value(watched, tensor)
+            if value is not None:
+                values.append((tensor, value))
+        return Substitution(values) if values else None
+
+    def _value(self, watched: _Watched, tensor: torch.Tensor) -> torch.Tensor | None:
+        if watched.handle is not None:
+            assert self._pair is not None
+            value = self._pair[1](watched.handle)
+            return None if storage_key(value) == storage_key(tensor) else value
+        if watched.start is not None:
+            return watched.start
+        if watched.written:
+            raise CheckpointError(
+                f"tensorhooks.checkpoint: the checkpointed function changed {watched.name} in "
+                "place during the forward pass; it reaches this tensor from outside its "
+                "arguments and it is a weight (a Parameter, or it requires grad), whose value "
+                "before the write was not copied, so recomputation cannot read what the forward "
+                "pass read. Run the forward pass and backward inside "
+                "tensorhooks.allow_mutation_on_saved_tensors() (which keeps that value), make "
+                "the write outside the checkpointed function, or do not checkpoint it."
+            )
+        if tensor._version != watched.version:
+            raise SavedTensorModifiedError(
+                modified_message(
+                    tensor.type(), list(tensor.shape), tensor._version, watched.version
+                )
+                + f" Hint: the checkpointed function reads {watched.name} from outside its "
+                "arguments, and it was changed in place between the forward pass and backward, "
+                "so recomputation would use the changed value. Change it after backward, pass it "
+                "to checkpoint as an argument, or run the forward pass and backward inside "
+                "tensorhooks.allow_mutation_on_saved_tensors() (which keeps its value)."
+            )
+        return None
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def _over(storage: torch.UntypedStorage, like: torch.Tensor) -> torch.Tensor:
+    """A tensor with ``like``'s dtype and geometry on ``storage``."""
+    tensor = torch.empty(0, dtype=like.dtype, device=like.device)
+    return tensor.set_(storage, like.storage_offset(), like.size(), like.stride())
+
+
+def _copy(storage: torch.UntypedStorage) -> torch.UntypedStorage:
+    copy: torch.UntypedStorage = storage.clone()  # type: ignore[no-untyped-call]  # untyped in torch
+    return copy
+
+
+def _aliases_an_input(func: Any) -> tuple[bool, bool]:
+    """Whether ``func`` returns an alias of an input, and whether it writes one."""
+    returns = func._schema.returns
+    aliased = any(result.alias_info is not None for result in returns)
+    writes = any(result.alias_info is not None and result.alias_info.is_write for result in returns)
+    return aliased, writes
+
+
+class Substitution:
+    """Replacement storages holding what the forward pass read, for the storages watched."""
+
+    __slots__ = ("storages",)
+
+    def __init__(self, values: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.storages: dict[int | None, torch.UntypedStorage] = {}
+        with below_python_modes(), torch.no_grad():
+            for tensor, value in values:
+                key = storage_key(tensor)
+                storage = self.storages.get(key)
+                if storage is None:
+                    storage = self.storages[key] = _copy(tensor.untyped_storage())
+                _over(storage, tensor).copy_(value)
+
+    def swap(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``, read from its replacement if its storage has one."""
+        storage = self.storages.get(storage_key(tensor))
+        if storage is None:
+            return tensor
+        with below_python_modes():
+            return _over(storage, tensor)
+
+    def mode(self) -> _Substitute:
+        """The dispatch mode that makes recomputation's ops read the replacements."""
+        return _Substitute(self)
+
+
+class _Substitute(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
+    """Reads (and writes) substituted storages from their replacements; views pass through."""
+
+    def __init__(self, substitution: Substitution) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's __init__ is untyped
+        self.substitution = substitution
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = {} if kwargs is None else kwargs
+        aliased, writes = _aliases_an_input(func)
+        if aliased and not writes:  # a view: keep autograd's view of the real tensor
+            return func(*args, **kwargs)
+        originals: dict[int, torch.Tensor] = {}
+
+        def swap(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                swapped = self.substitution.swap(value)
+                if swapped is not value:
+                    originals[id(swapped)] = value
+                return swapped
+            if isinstance(value, (list, tuple)):
+                return type(value)(swap(item) for item in value)
+            return value
+
+        result = func(*swap(tuple(args)), **{key: swap(item) for key, item in kwargs.items()})
+        if not writes or not originals:
+            return result
+        # An in-place or out= op returns the tensor it wrote: hand back the caller's object.
+        if isinstance(result, torch.Tensor):
+            return originals.get(id(result), result)
+        if isinstance(result, (list, tuple)):
+            return type(result)(originals.get(id(item), item) for item in result)
+        return result

@@ -1,0 +1,37 @@
+"""A region's arguments: tensors taken out, saved as inputs, and put back with their aliasing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import tensorhooks
+from tensorhooks import checkpoint
+from tests.checkpoint.common import assert_same
+
+# Arguments that alias each other, made from one base: (what is passed, how the region writes).
+ALIASES: dict[str, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {
+    "tensor and its view": lambda base: (base, base[1:3]),
+    "overlapping slices": lambda base: (base[0:3], base[2:5]),
+    "view and the tensor": lambda base: (base[::2], base),
+    "transposed view": lambda base: (base.view(2, 3), base.view(2, 3).t()),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ALIASES))
+def test_aliasing_arguments_written_in_the_region(kind: str) -> None:
+    """Arguments sharing a storage, written in place in the region: plain autograd's gradient."""
+    generator = torch.Generator().manual_seed(0)
+    leaf = torch.randn(6, generator=generator, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, generator=generator, dtype=torch.float64, requires_grad=True)
+
+    def region(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        b.mul_(2)
+        return (a.reshape(-1).sin() * w[: a.numel()]).sum() + b.exp().sum()
+
+    with tensorhooks.allow_mutation_on_saved_tensors():
+        got = torch.autograd.grad(checkpoint(region, *ALIASES[kind](leaf * 1)), [leaf, w])
+        expected = torch.autograd.grad(region(*ALIASES[kind](leaf * 1)), [leaf, w])
+    assert_same(got, expected)

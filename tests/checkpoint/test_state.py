@@ -1,0 +1,212 @@
+"""Tensors a region reaches outside its arguments: changed before backward, or written by it."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from torch.utils.checkpoint import CheckpointError
+
+import tensorhooks
+from tensorhooks import checkpoint
+from tests.checkpoint.common import assert_same, torch_ckpt
+
+Context = Callable[[], contextlib.AbstractContextManager[object]]
+CONTEXTS: dict[str, Context] = {
+    "plain": contextlib.nullcontext,
+    "allow_mutation": tensorhooks.allow_mutation_on_saved_tensors,
+}
+
+
+def _double(seed: int, *shape: int, requires_grad: bool = True) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    tensor = torch.randn(*shape, generator=generator, dtype=torch.float64)
+    return tensor.requires_grad_(requires_grad)
+
+
+# The ways a region reaches a weight it then saves a view of, or reads.
+READS: dict[str, Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]] = {
+    "w.t()": lambda w: lambda h: (h @ w.t()).sin(),
+    "w[0]": lambda w: lambda h: (h * w[0]).sin(),
+    "w[:]": lambda w: lambda h: (h @ w[:]).sin(),
+    "w": lambda w: lambda h: (h @ w).sin(),
+}
+
+
+@pytest.mark.parametrize("read", sorted(READS))
+def test_weight_changed_before_backward_raises(read: str) -> None:
+    """A closure's weight changed between forward and backward raises, naming the closure."""
+    w = _double(0, 3, 3)
+    x = _double(1, 4, 3)
+    out = checkpoint(READS[read](w), x)
+    with torch.no_grad():
+        w.mul_(2)
+    with pytest.raises(
+        tensorhooks.SavedTensorModifiedError,
+        match=r"(?s)modified by an inplace operation.*reads w from outside its arguments",
+    ):
+        torch.autograd.grad(out.sum(), [x])
+
+
+@pytest.mark.parametrize("read", sorted(READS))
+def test_weight_changed_before_backward_under_allow_mutation(read: str) -> None:
+    """Inside allow_mutation_on_saved_tensors the save-time weight is used, as with no region."""
+    w = _double(0, 3, 3)
+    x = _double(1, 4, 3)
+    with tensorhooks.allow_mutation_on_saved_tensors():
+        out = checkpoint(READS[read](w), x)
+        plain = READS[read](w)(x)
+        with torch.no_grad():
+            w.mul_(2)
+        got = torch.autograd.grad(out.sum(), [x, w])
+        expected = torch.autograd.grad(plain.sum(), [x, w])
+    assert_same(got, expected)
+
+
+def test_linear_weight_stepped_before_backward() -> None:
+    """nn.Linear: a step before backward raises, or inside allow_mutation uses the old weight."""
+    linear = torch.nn.Linear(3, 3).double()
+    x = _double(1, 4, 3)
+    out = checkpoint(linear, x)
+    with torch.no_grad():
+        linear.weight.mul_(2)
+    with pytest.raises(tensorhooks.SavedTensorModifiedError, match=r"Linear\.weight"):
+        torch.autograd.grad(out.sum(), [x])
+    reference = copy.deepcopy(linear)
+    with tensorhooks.allow_mutation_on_saved_tensors():
+        out = checkpoint(linear, x)
+        optimizer = torch.optim.SGD(linear.parameters(), lr=0.5)
+        linear.weight.grad = torch.ones_like(linear.weight)
+        optimizer.step()
+        got = torch.autograd.grad(out.sum(), [x])
+    assert_same(got, torch.autograd.grad(reference(x).sum(), [x]))
+
+
+class _Counter(torch.nn.Module):
+    """A module that counts its calls in a buffer and scales by the count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(_double(2, 4, requires_grad=False))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return (h * self.weight * self.calls).sin()
+
+
+class _SavedThenWritten(torch.nn.Module):
+    """A module whose buffer is saved by an op, then written in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(_double(2, 4, requires_grad=False))
+        self.register_buffer("scale", _double(3, 4, requires_grad=False))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out = (h * self.weight * self.scale).sin()
+        self.scale.mul_(0.5)
+        return out
+
+
+def _spectral() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.utils.spectral_norm(torch.nn.Linear(4, 4).double())
+
+
+def _batch_norm() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).double()
+
+
+STATEFUL: dict[str, Callable[[], torch.nn.Module]] = {
+    "counter": _Counter,
+    "spectral_norm": _spectral,
+    "batch_norm": _batch_norm,
+}
+
+
+def _state(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in (*module.parameters(), *module.buffers())]
+
+
+@pytest.mark.parametrize("context", sorted(CONTEXTS))
+@pytest.mark.parametrize("make", sorted(STATEFUL))
+def test_state_written_by_the_region_matches_plain_autograd(make: str, context: str) -> None:
+    """A region writing its module's state: plain autograd's gradient, the state written once."""
+    module = STATEFUL[make]()
+    reference = copy.deepcopy(module)
+    x = _double(1, 6, 4)
+    with CONTEXTS[context]():
+        got = torch.autograd.grad(checkpoint(module, x).sum(), [x, *module.parameters()])
+        expected = torch.autograd.grad(reference(x).sum(), [x, *reference.parameters()])
+    assert_same(got, expected)
+    assert_same(_state(module), _state(reference))
+
+
+def test_buffer_saved_then_written_uses_the_saved_value() -> None:
+    """A buffer saved by an op and then written by the region: the save-time value's gradient."""
+    module = _SavedThenWritten()
+    reference = copy.deepcopy(module)
+    x = _double(1, 6, 4)
+    got = torch.autograd.grad(checkpoint(module, x).sum(), [x])
+    with tensorhooks.allow_mutation_on_saved_tensors():
+        expected = torch.autograd.grad(reference(x).sum(), [x])
+    assert_same(got, expected)
+    assert_same(_state(module), _state(reference))
+
+
+def test_torch_checkpoint_gets_spectral_norm_wrong() -> None:
+    """The reference point: torch's checkpoint runs the power iteration twice (wrong gradient)."""
+    module = _spectral()
+    reference = copy.deepcopy(module)
+    x = _double(1, 6, 4)
+    got = torch.autograd.grad(torch_ckpt(module, x).sum(), [x])
+    expected = torch.autograd.grad(reference(x).sum(), [x])
+    assert not torch.allclose(got[0], expected[0])
+
+
+def test_weight_written_by_the_region_raises_naming_it() -> None:
+    """nn.Embedding(max_norm=...) renormalises its weight in forward: refused, naming it."""
+    module = torch.nn.Sequential(torch.nn.Embedding(10, 4, max_norm=1.0), torch.nn.Linear(4, 4))
+    with torch.no_grad():
+        module[0].weight.mul_(3)
+    out = checkpoint(module, torch.tensor([1, 2, 3]))
+    with pytest.raises(CheckpointError, match=r"changed Sequential\.0\.weight in place"):
+        out.sum().backward()
+
+
+def test_weight_written_by_the_region_under_allow_mutation() -> None:
+    """Inside allow_mutation_on_saved_tensors the same region gives plain autograd's gradients."""
+    module = torch.nn.Sequential(torch.nn.Embedding(10, 4, max_norm=1.0), torch.nn.Linear(4, 4))
+    with torch.no_grad():
+        module[0].weight.mul_(3)
+    reference = copy.deepcopy(module)
+    index = torch.tensor([1, 2, 3])
+    with tensorhooks.allow_mutation_on_saved_tensors():
+        got = torch.autograd.grad(checkpoint(module, index).sum(), list(module.parameters()))
+        expected = torch.autograd.grad(reference(index).sum(), list(reference.parameters()))
+    assert_same(got, expected)
+
+
+@contextlib.contextmanager
+def _no_state_left() -> Iterator[None]:
+    yield
+    assert tensorhooks.live_graph_tasks() == 0
+
+
+def test_retain_graph_twice_with_written_state() -> None:
+    """A second backward over a region that writes state recomputes from the same values."""
+    module = _spectral()
+    reference = copy.deepcopy(module)
+    x = _double(1, 6, 4)
+    with _no_state_left():
+        loss = checkpoint(module, x).sum()
+        first = torch.autograd.grad(loss, [x], retain_graph=True)
+        second = torch.autograd.grad(loss, [x])
+    expected = torch.autograd.grad(reference(x).sum(), [x])
+    assert_same(first, expected)
+    assert_same(second, expected)
