@@ -249,6 +249,9 @@ class _Plan:
         self.save_pair: tuple[PackHook, UnpackHook] = (_identity, _identity)
         self.offload_pair: tuple[PackHook, UnpackHook] = (offload.pack_hook, offload.unpack_hook)
         self.keeps_saved_values = False
+        # The hooks around the call, when saved outputs go through them
+        # (``respect_saved_tensors_hooks=True``).
+        self.ambient: tuple[PackHook, UnpackHook] | None = None
 
     def start(self) -> None:
         """Take the save guard of the thread running the forward pass."""
@@ -256,7 +259,10 @@ class _Plan:
         # Under a guard that keeps save-time values, saved outputs go behind it; otherwise each
         # entry checks its own versions (see NOTE [Selective checkpointing in eager mode]).
         self.keeps_saved_values = guard.lets_saved_tensors_change
-        if self.keeps_saved_values:
+        if self.ambient is not None:
+            self.save_pair = guard.wrap(*self.ambient)
+            self.keeps_saved_values = True  # the guard checks or keeps what the pair returns
+        elif self.keeps_saved_values:
             self.save_pair = guard.wrap(_identity, _identity)
         self.offload_pair = guard.wrap(self.offload.pack_hook, self.offload.unpack_hook)
 
@@ -326,6 +332,10 @@ class SelectiveForward(TorchDispatchMode):  # type: ignore[no-untyped-call]  # u
     def __init__(self, plan: _Plan) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # torch's __init__ is untyped
         self.plan = plan
+
+    def save_through(self, pair: tuple[PackHook, UnpackHook] | None) -> None:
+        """Keep the outputs the policy saves through ``pair`` (the hooks around the call)."""
+        self.plan.ambient = pair
 
     def offload_context(self) -> contextlib.AbstractContextManager[None]:
         """The ``save_on_cpu`` entry around the region: its copies overlap the region's ops."""

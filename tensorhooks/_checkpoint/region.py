@@ -13,7 +13,7 @@ from typing import Any, TypeVar, overload
 import torch
 from torch.utils import checkpoint as torch_checkpoint
 
-from tensorhooks._core.errors import CheckpointArgumentValueError
+from tensorhooks._core.errors import CheckpointArgumentTypeError, CheckpointArgumentValueError
 from tensorhooks._core.guards import current_save_guard, register_protected_pack_hook
 from tensorhooks._core.torch_compat import (
     pop_saved_tensors_hooks,
@@ -22,6 +22,7 @@ from tensorhooks._core.torch_compat import (
     torch_checkpoint_debug_override,
     torch_checkpoint_debug_tools,
     torch_checkpoint_early_stop_override,
+    torch_checkpoint_takes,
 )
 
 from .arguments import Arguments, save_inputs
@@ -59,6 +60,7 @@ def checkpoint(
     determinism_check: str = "default",
     debug: bool = False,
     early_stop: bool = True,
+    respect_saved_tensors_hooks: bool | None = None,
 ) -> Callable[[Callable[..., _R]], Callable[..., _R]]: ...
 
 
@@ -72,6 +74,7 @@ def checkpoint(
     determinism_check: str = "default",
     debug: bool = False,
     early_stop: bool = True,
+    respect_saved_tensors_hooks: bool | None = None,
     **kwargs: Any,
 ) -> _R: ...
 
@@ -85,6 +88,7 @@ def checkpoint(
     determinism_check: str = "default",
     debug: bool = False,
     early_stop: bool = True,
+    respect_saved_tensors_hooks: bool | None = None,
     **kwargs: Any,
 ) -> Any:
     """Run ``function(*args, **kwargs)`` without keeping its activations; recompute them later.
@@ -122,6 +126,11 @@ def checkpoint(
         debug: on a `CheckpointError`, add torch's trace of the ops of both runs.
         early_stop: stop recomputing once every saved tensor is back (torch's
             ``set_checkpoint_early_stop`` overrides it).
+        respect_saved_tensors_hooks: with a selective policy, whether the outputs it saves
+            (``*_SAVE``) go through the saved-tensor hooks in force around the call (an outer
+            `save_on_cpu` then offloads them too), as torch 2.14's keyword of that name.
+            ``None`` (the default) and ``False``: they stay where they are, silently (torch
+            2.14 warns when hooks are in force). No effect without a selective policy.
         **kwargs: keyword arguments of ``function``; tensors among them are saved as in
             ``args``.
 
@@ -131,6 +140,8 @@ def checkpoint(
     Raises:
         CheckpointArgumentValueError: if ``use_reentrant=True``, ``determinism_check`` is not a
             known value, or ``debug=True`` comes with a ``context_fn`` (a ``ValueError``).
+        CheckpointArgumentTypeError: if ``respect_saved_tensors_hooks`` is not None or a bool
+            (a ``TypeError``).
         CheckpointError: in backward, if recomputation saved a different number of tensors or
             tensors of another shape, dtype or device (a ``RuntimeError``).
         RuntimeError: in backward, autograd's in-place error if a tensor argument was changed
@@ -158,6 +169,7 @@ def checkpoint(
             "determinism_check": determinism_check,
             "debug": debug,
             "early_stop": early_stop,
+            "respect_saved_tensors_hooks": respect_saved_tensors_hooks,
         }
 
         def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -178,6 +190,7 @@ def checkpoint(
             "determinism_check": determinism_check,
             "debug": debug,
             "early_stop": early_stop,
+            "respect_saved_tensors_hooks": respect_saved_tensors_hooks,
         },
     )
 
@@ -203,11 +216,14 @@ def _torch_checkpoint(
     """Run torch's non-reentrant checkpoint with ``options`` (see the NOTE above)."""
     context_fn: Callable[[], tuple[Any, ...]] = options["context_fn"]
     # Dynamo takes a context_fn only as a plain or partial function; the default goes unsaid.
-    contexts = (
+    contexts: dict[str, Any] = (
         {}
         if context_fn is noop_context_fn
         else {"context_fn": functools.partial(_torch_contexts, context_fn)}
     )
+    respect = options["respect_saved_tensors_hooks"]
+    if respect is not None and torch_checkpoint_takes("respect_saved_tensors_hooks"):
+        contexts["respect_saved_tensors_hooks"] = respect
     return torch_checkpoint.checkpoint(
         function,
         *args,
@@ -247,6 +263,12 @@ def _checkpoint_with(
     determinism_check: str = options["determinism_check"]
     debug: bool = options["debug"]
     early_stop: bool = options["early_stop"]
+    respect = options["respect_saved_tensors_hooks"]
+    if respect is not None and not isinstance(respect, bool):
+        raise CheckpointArgumentTypeError(
+            "tensorhooks.checkpoint: respect_saved_tensors_hooks must be None, True or False, "
+            f"got {respect!r} of type {type(respect).__name__}"
+        )
     metadata_fn = DETERMINISM_CHECKS.get(determinism_check)
     if metadata_fn is None:
         raise CheckpointArgumentValueError(
@@ -275,6 +297,7 @@ def _checkpoint_with(
         metadata_fn=metadata_fn,
         early_stop=early_stop,
         error_cb=error_cb,
+        respect_hooks=bool(respect),
     )
 
 
@@ -288,6 +311,7 @@ def _run_region(
     metadata_fn: Callable[[torch.Tensor], Any],
     early_stop: bool,
     error_cb: Callable[[Exception], Any] | None,
+    respect_hooks: bool,
 ) -> Any:
     forward_context, recompute_context = adopt_contexts(*context_fn())
     tensors: list[torch.Tensor] = []
@@ -309,11 +333,11 @@ def _run_region(
     frame.arguments = arguments
     frame.outside = OutsideState(function, tensors)
     versions = [tensor._version for tensor in tensors]
-    offload = (
-        forward_context.offload_context()
-        if isinstance(forward_context, SelectiveForward)
-        else contextlib.nullcontext()
-    )
+    offload: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if isinstance(forward_context, SelectiveForward):
+        offload = forward_context.offload_context()
+        if respect_hooks and top_saved_tensors_hooks is not None:
+            forward_context.save_through(top_saved_tensors_hooks())
     pack, unpack = current_save_guard().wrap(frame.pack, unpack_holder)
     register_protected_pack_hook(pack)
     with offload:

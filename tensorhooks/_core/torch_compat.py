@@ -67,6 +67,7 @@ __all__ = [
     "torch_checkpoint_debug_override",
     "torch_checkpoint_debug_tools",
     "torch_checkpoint_early_stop_override",
+    "torch_checkpoint_takes",
     "torch_selective_checkpoint_modes",
     "warn_once",
     "will_engine_execute_node",
@@ -400,6 +401,19 @@ def torch_checkpoint_early_stop_override() -> bool | None:
 
     value: bool | None = getattr(torch_checkpoint, "_enable_checkpoint_early_stop", None)
     return value
+
+
+def torch_checkpoint_takes(keyword: str) -> bool:
+    """Whether torch's ``checkpoint`` accepts ``keyword``.
+
+    ``respect_saved_tensors_hooks`` is new in torch 2.14; tensorhooks' own checkpoint accepts it
+    on every release, and passes it on to torch's (under ``torch.compile``) where torch has it.
+    """
+    import inspect  # noqa: PLC0415 (only asked under torch.compile)
+
+    import torch.utils.checkpoint as torch_checkpoint  # noqa: PLC0415
+
+    return keyword in inspect.signature(torch_checkpoint.checkpoint).parameters
 
 
 def torch_checkpoint_debug_override() -> bool | None:

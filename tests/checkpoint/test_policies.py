@@ -388,3 +388,31 @@ def test_save_everything_with_dropout_under_allow_mutation() -> None:
         got = torch.autograd.grad(checkpoint(block, x, context_fn=context_fn), [x, w])
     torch.manual_seed(3)
     assert_same(got, torch.autograd.grad(block(x), [x, w]))
+
+
+@pytest.mark.parametrize(("respect", "packed_outputs"), [(None, 0), (False, 0), (True, 2)])
+def test_respect_saved_tensors_hooks(respect: bool | None, packed_outputs: int) -> None:
+    """respect_saved_tensors_hooks=True sends the outputs a policy saves through outer hooks."""
+    w1, w2 = weights()
+    x = input_tensor()
+    shapes: list[torch.Size] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        shapes.append(tensor.shape)
+        return tensor.clone()
+
+    context_fn = functools.partial(
+        tensorhooks.create_selective_checkpoint_contexts, [aten.mm.default]
+    )
+    with tensorhooks.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = checkpoint(
+            block_of(w1, w2), x, context_fn=context_fn, respect_saved_tensors_hooks=respect
+        )
+    assert len(shapes) == 1 + packed_outputs  # the region's input, then the saved mm outputs
+    assert_same(grads(lambda: out, [x, w1, w2]), grads(lambda: block_of(w1, w2)(x), [x, w1, w2]))
+
+
+def test_respect_saved_tensors_hooks_takes_a_bool() -> None:
+    """Anything but None or a bool is refused, naming the value."""
+    with pytest.raises(tensorhooks.CheckpointArgumentTypeError, match="got 'yes' of type str"):
+        checkpoint(torch.sin, input_tensor(), respect_saved_tensors_hooks="yes")  # type: ignore[arg-type]
