@@ -38,14 +38,20 @@ REIMPLEMENTED = frozenset(
 
 _STATIC = frozenset({"GradientEdge", "Node", "get_gradient_edge", "increment_version"})
 
+# Public names of ``torch.autograd.graph`` that some releases define without listing them in its
+# ``__all__``; re-exported where the installed torch has them.
+_UNLISTED = ("node_creation_hook",)
+
 
 def torch_only_names() -> dict[str, object]:
     """The installed torch's other ``torch.autograd.graph.__all__`` names, with their objects.
 
     Those neither reimplemented by tensorhooks nor imported by name above: what this release of
-    torch has beyond the oldest supported one.
+    torch has beyond the oldest supported one, and the public names it leaves out of its
+    ``__all__`` (``node_creation_hook``).
     """
     names = set(getattr(_torch_graph, "__all__", ())) - REIMPLEMENTED - _STATIC
+    names.update(name for name in _UNLISTED if hasattr(_torch_graph, name))
     return {name: getattr(_torch_graph, name) for name in sorted(names)}
 
 

@@ -156,7 +156,8 @@ def may_share_storage(packed: object, tensor: torch.Tensor) -> bool:
 # array from ``tensor.numpy()`` (whose ``base`` chain ends at a tensor sharing the storage). The
 # guard looks through all of them, with a budget of `_MAX_VISITS` objects and each container
 # visited once, so a large or cyclic structure costs a bounded walk. It also looks into a
-# ``collections.deque``, a function's closure cells and defaults (``lambda: t``), a bound
+# ``collections.deque``, a function's closure cells and defaults (``lambda: t``), the namespace of
+# a class made by the user (``type("Box", (), {"t": t})``, or an instance of it), a bound
 # method's ``__self__``, a ``memoryview``'s exporter (``memoryview(t.numpy())``) and an untyped
 # or typed storage (``t.untyped_storage()``, compared by StorageImpl). Past the budget it answers
 # "may alias": the version guard then keeps its version record (a change raises) and the guard
@@ -190,11 +191,32 @@ def _children(obj: object) -> list[object]:
     attributes = getattr(obj, "__dict__", None)
     if isinstance(attributes, dict):
         children.extend(attributes.values())
+    children.extend(_class_values(obj if isinstance(obj, type) else type(obj)))
     for cls in type(obj).__mro__:
         slots = cls.__dict__.get("__slots__", ())
         names = (slots,) if isinstance(slots, str) else slots
         children.extend(getattr(obj, name, None) for name in names)
     return children
+
+
+def _class_values(cls: type) -> list[object]:
+    """The data a user-made class holds in its own namespace: a pack may hide a tensor there.
+
+    ``type("Box", (), {"t": t})`` (or an instance of it) keeps ``t`` on the class. Functions,
+    descriptors and the namespace's own entries are not data; classes of the standard library
+    and of torch hold no saved tensor and are not looked into.
+    """
+    if cls.__module__ in _UNWALKED_MODULES or cls.__module__.startswith("torch."):
+        return []
+    return [
+        value
+        for name, value in vars(cls).items()
+        if not (name.startswith("__") and name.endswith("__")) and not isinstance(value, _NOT_DATA)
+    ]
+
+
+_UNWALKED_MODULES = frozenset({"builtins", "collections", "torch", "types"})
+_NOT_DATA = (types.FunctionType, staticmethod, classmethod, property, types.MemberDescriptorType)
 
 
 def _cell_is_set(cell: types.CellType) -> bool:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.autograd.graph as torch_graph
 
@@ -44,3 +45,15 @@ def test_reexports_work_on_tensorhooks_tensors() -> None:
     assert isinstance(edge.node, tensorhooks.Node)
     (grad,) = torch.autograd.grad(y, x)
     assert torch.equal(grad, 2 * x.detach())
+
+
+def test_unlisted_public_names_are_reexported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """node_creation_hook, public but outside torch's __all__, is re-exported where it exists."""
+    from tensorhooks._core.graph import torch_only_names
+
+    assert ("node_creation_hook" in torch_only_names()) == hasattr(
+        torch_graph, "node_creation_hook"
+    )
+    marker = object()
+    monkeypatch.setattr(torch_graph, "node_creation_hook", marker, raising=False)
+    assert torch_only_names()["node_creation_hook"] is marker

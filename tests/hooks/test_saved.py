@@ -60,6 +60,9 @@ CONTAINER_PACKS: dict[str, tuple[Callable[[torch.Tensor], Any], Callable[[Any], 
     "numpy": (lambda t: t.detach().numpy(), torch.from_numpy),
     "deque": (lambda t: collections.deque([t]), lambda p: p[0]),
     "closure": (lambda t: lambda: t, lambda p: p()),
+    # a class made inside pack, holding the tensor on the class rather than on the instance
+    "class_attribute": (lambda t: type("Box", (), {"t": t})(), lambda p: type(p).t),
+    "class_itself": (lambda t: type("Box", (), {"t": t}), lambda p: p.t),
     "memoryview": (
         lambda t: memoryview(t.detach().numpy()),
         lambda p: torch.frombuffer(p, dtype=torch.float32),
