@@ -21,7 +21,8 @@ import tensorhooks
 from tensorhooks._core import guards as _guards
 from tensorhooks._core import torch_compat as _torch_compat
 from tensorhooks._core.torch_compat import TORCH_VERSION
-from tensorhooks._mutation import context as _mutation
+from tensorhooks._mutation import aliasing, dispatch_mode, foreign_hooks, op_writes
+from tensorhooks._mutation.context_state import MutationContext
 from tests.strategies import MutationProgram, Square, mutation_programs
 
 Program = Callable[[torch.Tensor], torch.Tensor]
@@ -198,9 +199,9 @@ def program_id(name: str) -> str:
 @pytest.fixture
 def no_open_contexts() -> Iterator[None]:
     """Each test starts and ends with no open context."""
-    assert _mutation._open_contexts == ()
+    assert dispatch_mode._open_contexts == ()
     yield
-    assert _mutation._open_contexts == ()
+    assert dispatch_mode._open_contexts == ()
 
 
 @pytest.mark.usefixtures("no_open_contexts")
@@ -260,7 +261,7 @@ class TestAllowMutationOnSavedTensors:
         """The yielded object tracks saved tensors and clones and is emptied on exit."""
         a = leaf_4x6().requires_grad_()
         with tensorhooks.allow_mutation_on_saved_tensors() as ctx:
-            assert isinstance(ctx, _mutation.MutationContext)
+            assert isinstance(ctx, MutationContext)
             b = a * 1
             out = (b**2).sum() + b.sin().sum()
             assert (ctx.num_saved(), ctx.num_cloned()) == (2, 0)
@@ -304,7 +305,7 @@ class TestAllowMutationOnSavedTensors:
                 allow(),
             ):
                 pass
-        assert _mutation._open_contexts == ()
+        assert dispatch_mode._open_contexts == ()
 
     def test_state_is_restored_when_the_body_raises(self) -> None:
         """An exception in the body pops the hooks and the mode and closes the context."""
@@ -435,13 +436,13 @@ class TestAllowMutationOnSavedTensors:
         a = leaf_4x6().requires_grad_()
         with tensorhooks.allow_mutation_on_saved_tensors() as ctx:
             tracked: list[torch.Tensor] = []
-            track = ctx._track
+            track = ctx._guard._track
 
             def counting_track(tensor: torch.Tensor, is_output: bool) -> Any:
                 tracked.append(tensor)
                 return track(tensor, is_output)
 
-            ctx._track = counting_track
+            ctx._guard._track = counting_track
             b = a * 1
             with tensorhooks.saved_tensors_hooks(lambda t: t.detach().clone(), lambda p: p):
                 out = (b**2).sum()
@@ -597,7 +598,7 @@ class TestAllowMutationOnSavedTensors:
         self, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """Before torch 2.8 the UnguardedHooksError check is off, and entering says so once."""
-        monkeypatch.setattr(_mutation, "top_saved_tensors_hooks", None)
+        monkeypatch.setattr(foreign_hooks, "top_saved_tensors_hooks", None)
         monkeypatch.setattr(_torch_compat, "_warned", set())
         a = leaf_4x6().requires_grad_()
         with warnings.catch_warnings(record=True) as caught:
@@ -683,14 +684,14 @@ class TestAllowMutationOnSavedTensors:
 
     def test_nested_contexts_share_one_dispatch_mode(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """A nested context pushes no second mode: a write protects each context once."""
-        protected: list[_mutation.MutationContext] = []
-        protect = _mutation.MutationContext._protect
+        protected: list[MutationContext] = []
+        protect = MutationContext._protect
 
-        def counting(self: _mutation.MutationContext, *args: Any) -> None:
+        def counting(self: MutationContext, *args: Any) -> None:
             protected.append(self)
             protect(self, *args)
 
-        monkeypatch.setattr(_mutation.MutationContext, "_protect", counting)
+        monkeypatch.setattr(MutationContext, "_protect", counting)
         stack_len = torch._C._len_torch_dispatch_stack
         with tensorhooks.allow_mutation_on_saved_tensors() as outer:
             assert stack_len() == 1
@@ -918,7 +919,7 @@ class TestAllowMutationOnSavedTensors:
     def test_written_arguments_read_from_the_schema(self) -> None:
         """In-place self, out= (resizable), foreach lists, multi-output out, resize_."""
         aten = torch.ops.aten
-        written = _mutation._written_arguments
+        written = op_writes.written_arguments
         assert written(aten.add.Tensor) == ()
         assert written(aten.add_.Tensor) == ((0, "self", False),)
         assert written(aten.add.out) == ((-1, "out", True),)
@@ -932,11 +933,11 @@ class TestAllowMutationOnSavedTensors:
         """After its first call an op that writes nothing is a single dict lookup."""
         with tensorhooks.allow_mutation_on_saved_tensors():
             torch.randn(3).cos().mul_(2.0)
-        assert _mutation._READ_ONLY_OPS[id(torch.ops.aten.cos.default)] is (
+        assert op_writes.READ_ONLY_OPS[id(torch.ops.aten.cos.default)] is (
             torch.ops.aten.cos.default._op
         )
-        assert id(torch.ops.aten.mul_.Tensor) not in _mutation._READ_ONLY_OPS
-        writing = _mutation._WRITING_OPS[id(torch.ops.aten.mul_.Tensor)]
+        assert id(torch.ops.aten.mul_.Tensor) not in op_writes.READ_ONLY_OPS
+        writing = op_writes.WRITING_OPS[id(torch.ops.aten.mul_.Tensor)]
         assert writing.written == ((0, "self", False),)
 
     @pytest.mark.parametrize(
@@ -956,16 +957,18 @@ class TestAllowMutationOnSavedTensors:
         self, make: Callable[[torch.Tensor], torch.Tensor], resizes: bool, span: Any
     ) -> None:
         """Spans cover exactly the bytes an alias can reach (4 x 6 float64 storage)."""
-        assert _mutation._byte_span(make(leaf_4x6()), resizes) == span
+        assert aliasing.byte_span(make(leaf_4x6()), resizes) == span
 
     def test_handler_is_not_wrapped_by_dynamo_disable(self) -> None:
         """From torch 2.7 Dynamo skips the handler's code, so the mode calls the plain function."""
-        handler = _mutation._CloneBeforeWriteMode.__dict__["__torch_dispatch__"]
+        handler = dispatch_mode._CloneBeforeWriteMode.__dict__["__torch_dispatch__"]
         if TORCH_VERSION < (2, 7):  # no per-code skip (skip_code_in_dynamo): torch's wrapper stays
-            assert handler is not _mutation._torch_dispatch
+            assert handler is not dispatch_mode._torch_dispatch
             return
-        assert _mutation._HANDLER_SKIPPED_BY_DYNAMO, "Dynamo could not be told to skip the handler"
-        assert handler is _mutation._torch_dispatch
+        assert dispatch_mode._HANDLER_SKIPPED_BY_DYNAMO, (
+            "Dynamo could not be told to skip the handler"
+        )
+        assert handler is dispatch_mode._torch_dispatch
 
     # The warning that Dynamo compiles nothing here is warned once per process and pinned in
     # tests/core/test_compile.py; which test meets it first depends on the order.
@@ -986,7 +989,7 @@ class TestAllowMutationOnSavedTensors:
         torch.testing.assert_close(a.grad, 2 * leaf_4x6())
 
 
-def _live_handles(ctx: _mutation.MutationContext) -> list[Any]:
+def _live_handles(ctx: MutationContext) -> list[Any]:
     return [saved for saved in (ref() for ref in ctx._refs()) if saved is not None]
 
 

@@ -1,6 +1,7 @@
 """allow_mutation_on_saved_tensors: writes the context cannot intercept raise, never go silent.
 
-See NOTE [Detecting writes the context did not see] in tensorhooks/_mutation/context.py.
+See NOTE [Detecting writes the context did not see] in
+tensorhooks/_mutation/saved_tensor.py.
 """
 
 from __future__ import annotations
