@@ -1,11 +1,11 @@
-"""allow_mutation_on_saved_tensors: writes the context cannot intercept raise, never go silent.
+"""The handle autograd stores for a saved tensor: memory, and writes the context did not see.
 
-See NOTE [Detecting writes the context did not see] in tensorhooks/_mutation/context.py.
+Writes the context cannot intercept raise, never go silent. See
+NOTE [Detecting writes the context did not see] in tensorhooks/_mutation/saved_tensor.py.
 """
 
 from __future__ import annotations
 
-import gc
 import threading
 import warnings
 import weakref
@@ -14,6 +14,26 @@ import pytest
 import torch
 
 import tensorhooks
+from tests.mutation.programs import leaf_4x6
+
+pytestmark = pytest.mark.usefixtures("no_open_contexts")
+
+
+def test_dropped_graph_frees_everything() -> None:
+    """A graph dropped without backward frees saved outputs and clones (no cycles)."""
+    a = leaf_4x6().requires_grad_()
+    with tensorhooks.allow_mutation_on_saved_tensors() as ctx:
+        b = torch.tanh(a * 1)  # saves its output
+        out = b.exp().sum()  # saves its output too
+        b.mul_(2.0)
+        watched = weakref.ref(b)
+        del b, out
+        assert watched() is None
+        assert ctx.num_saved() == 0
+
+
+# --- writes the context did not see ---------------------------------------------------------------
+
 
 MODIFIED = "modified by an inplace operation"
 
@@ -117,25 +137,3 @@ def test_seen_overlapping_write_still_clones() -> None:
         a.add_(1)
         out.backward()
     assert torch.allclose(x.grad, 2 * x.detach())  # type: ignore[arg-type]
-
-
-def test_pack_to_a_key_keeps_nothing_alive() -> None:
-    """A user pack that moves the data out and returns a key frees the tensor in the context."""
-    store: dict[str, torch.Tensor] = {}
-
-    def pack(tensor: torch.Tensor) -> str:
-        key = f"saved-{len(store)}"
-        store[key] = tensor.detach().clone()  # stands in for a file on disk
-        return key
-
-    x = torch.randn(64, requires_grad=True)
-    with tensorhooks.allow_mutation_on_saved_tensors():
-        with tensorhooks.saved_tensors_hooks(pack, store.pop):
-            a = x * 2
-            out = a.sin().sum()
-        alive = weakref.ref(a)
-        del a
-        gc.collect()
-        assert alive() is None
-        out.backward()
-    assert torch.allclose(x.grad, 2 * torch.cos(2 * x.detach()))  # type: ignore[arg-type]

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import gc
+import re
 import threading
+import types
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -11,17 +15,126 @@ import torch.autograd.graph as torch_graph
 import torch.utils.checkpoint
 
 import tensorhooks
+from tensorhooks._core import guards as _guards
+from tensorhooks._core import torch_compat as _torch_compat
 from tensorhooks._core.torch_compat import top_saved_tensors_hooks
+from tensorhooks._mutation import foreign_hooks
+from tests.mutation.programs import grad_under, leaf_4x6
 
-pytestmark = pytest.mark.skipif(
+pytestmark = pytest.mark.usefixtures("no_open_contexts")
+
+needs_innermost_hooks_reader = pytest.mark.skipif(
     top_saved_tensors_hooks is None, reason="needs torch 2.8 (the innermost hooks reader)"
 )
+
+
+def test_torch_hooks_inside_make_writes_raise() -> None:
+    """What torch's hooks saved before the takeover: a write to it raises, not a wrong grad."""
+    a = leaf_4x6().requires_grad_()
+    with tensorhooks.allow_mutation_on_saved_tensors():
+        b = a * 1
+        with torch_graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            out = (b**2).sum()
+            with pytest.raises(
+                tensorhooks.UnguardedHooksError,
+                match=r"in-place operator aten\.mul_\.Tensor writes a tensor that "
+                r"saved-tensor hooks not pushed by tensorhooks \(pack hook '.*<lambda>'\)",
+            ):
+                b.mul_(2.0)
+        with torch_graph.save_on_cpu(), pytest.raises(RuntimeError, match="save_on_cpu"):
+            b.add_(1.0)
+        out.backward()
+    torch.testing.assert_close(a.grad, 2 * leaf_4x6())
+
+
+def test_trust_comes_from_the_registry_not_the_code() -> None:
+    """A pack hook is trusted once registered; a copy of a trusted one's code is not."""
+    guarded_pack, _ = _guards.VersionGuard().wrap(lambda t: t, lambda t: t)
+    assert _guards.is_protected_pack_hook(guarded_pack)
+    same_code = types.FunctionType(
+        guarded_pack.__code__,
+        guarded_pack.__globals__,  # type: ignore[attr-defined]
+        "pack",
+        None,
+        guarded_pack.__closure__,  # type: ignore[attr-defined]
+    )
+    assert not _guards.is_protected_pack_hook(same_code)
+
+    def stores_nothing(tensor: torch.Tensor) -> None:
+        return None
+
+    _guards.register_protected_pack_hook(stores_nothing)
+    a = leaf_4x6().requires_grad_()
+    with tensorhooks.allow_mutation_on_saved_tensors():
+        b = a * 1
+        with torch_graph.saved_tensors_hooks(stores_nothing, lambda p: p):
+            b.mul_(2.0)  # trusted: no raise
+        with torch_graph.saved_tensors_hooks(same_code, lambda p: p):
+            _ = b * b  # saved by the copy before the context sees it
+            with pytest.raises(
+                tensorhooks.UnguardedHooksError, match=r"pack hook 'VersionGuard\.wrap\."
+            ):
+                b.mul_(2.0)
+    torch.testing.assert_close(b.detach(), 2 * leaf_4x6())  # the refused write never ran
+
+
+def test_registry_keeps_no_hook_alive() -> None:
+    """A registered pack hook that is dropped leaves the registry."""
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.clone()
+
+    gc.collect()
+    before = len(_guards._protected_pack_hooks)
+    _guards.register_protected_pack_hook(pack)
+    assert len(_guards._protected_pack_hooks) == before + 1
+    del pack
+    assert len(_guards._protected_pack_hooks) == before
+
+
+def test_without_the_innermost_hooks_reader_it_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before torch 2.8 the UnguardedHooksError check is off, and entering says so once."""
+    monkeypatch.setattr(foreign_hooks, "top_saved_tensors_hooks", None)
+    monkeypatch.setattr(_torch_compat, "_warned", set())
+    a = leaf_4x6().requires_grad_()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with tensorhooks.allow_mutation_on_saved_tensors():
+                b = a * 1
+                with torch_graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                    b.mul_(2.0)  # not caught on such a torch
+    assert [warning.category for warning in caught] == [RuntimeWarning]
+    assert re.search(r"UnguardedHooksError protection is off.*torch 2\.8", str(caught[0].message))
+
+
+def test_checkpoint_inside_is_allowed() -> None:
+    """torch.utils.checkpoint (non-reentrant) stores no tensor data: writes are fine."""
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        y = x.sin()
+        y.mul_(2.0)  # in-place inside the checkpointed region, also during recomputation
+        return y.cos()
+
+    def program(a: torch.Tensor) -> torch.Tensor:
+        b = a * 1
+        out = torch.utils.checkpoint.checkpoint(block, b, use_reentrant=False).sum()
+        b.mul_(3.0)  # the checkpoint's saved input, changed before backward
+        return out  # type: ignore[no-any-return]
+
+    expected = grad_under(None, lambda a: block(a * 1).sum(), leaf_4x6())
+    got = grad_under(tensorhooks.allow_mutation_on_saved_tensors, program, leaf_4x6())
+    torch.testing.assert_close(got, expected)
+
+
+# --- what torch's hooks saved before the takeover -------------------------------------------------
 
 
 def _identity(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+@needs_innermost_hooks_reader
 def test_fresh_write_under_torch_save_on_cpu_is_allowed() -> None:
     """A write into a tensor nothing saved (T5's ``scores += bias``) runs; grads are right."""
     q = torch.randn(3, 4, requires_grad=True)
@@ -38,6 +151,7 @@ def test_fresh_write_under_torch_save_on_cpu_is_allowed() -> None:
     torch.testing.assert_close(got, expected)
 
 
+@needs_innermost_hooks_reader
 def test_fresh_writes_of_routing_code_under_foreign_hooks() -> None:
     """Division and index_put_ into fresh tensors (MoE routing) run under foreign hooks."""
     logits = torch.randn(5, 4, requires_grad=True)
@@ -59,6 +173,7 @@ def test_fresh_writes_of_routing_code_under_foreign_hooks() -> None:
     torch.testing.assert_close(got, expected)
 
 
+@needs_innermost_hooks_reader
 def test_write_to_a_tensor_saved_under_foreign_hooks_is_cloned() -> None:
     """A tensor saved under foreign hooks after the context took them over keeps its value."""
     a = torch.randn(4, requires_grad=True)
@@ -72,6 +187,7 @@ def test_write_to_a_tensor_saved_under_foreign_hooks_is_cloned() -> None:
     torch.testing.assert_close(a.grad, 2 * a.sin() * a.cos())
 
 
+@needs_innermost_hooks_reader
 def test_write_to_a_tensor_the_foreign_pair_saved_before_takeover_raises() -> None:
     """What the foreign pair saved before the context saw it cannot be protected: raise."""
     a = torch.randn(4, requires_grad=True)
@@ -88,6 +204,7 @@ def test_write_to_a_tensor_the_foreign_pair_saved_before_takeover_raises() -> No
     torch.testing.assert_close(a.grad, 2 * a)
 
 
+@needs_innermost_hooks_reader
 def test_write_after_foreign_pair_pushed_and_popped() -> None:
     """Saved under torch's hooks, the hooks popped, then written: never a wrong gradient."""
     a = torch.randn(4, requires_grad=True)
@@ -107,6 +224,7 @@ def test_write_after_foreign_pair_pushed_and_popped() -> None:
     torch.testing.assert_close(got, expected)
 
 
+@needs_innermost_hooks_reader
 def test_write_after_pop_into_window_tensor_raises() -> None:
     """A write after the pop into what the pair saved before the takeover raises."""
     a = torch.randn(4, requires_grad=True)
@@ -137,6 +255,7 @@ def _recomputed_residual_block(w: torch.Tensor) -> Callable[[torch.Tensor], torc
     return block
 
 
+@needs_innermost_hooks_reader
 @pytest.mark.parametrize(
     "make_block",
     [_residual_block, _recomputed_residual_block],
@@ -171,6 +290,7 @@ def test_in_place_residual_inside_checkpoint(
         torch.testing.assert_close(got, expected)
 
 
+@needs_innermost_hooks_reader
 def test_checkpoint_parameters_can_be_written_after_backward() -> None:
     """Tensors recomputation saved are released with its backward: a later step writes them."""
     start = torch.randn(4)
@@ -197,6 +317,7 @@ def test_checkpoint_parameters_can_be_written_after_backward() -> None:
     assert not torch.equal(got, start)
 
 
+@needs_innermost_hooks_reader
 @pytest.mark.parametrize("consumed", [True, False], ids=["output_consumed", "output_backwarded"])
 def test_write_from_a_thread_without_context_to_a_foreign_save_raises(consumed: bool) -> None:
     """A foreign save changed where the mode cannot see it raises in backward: no wrong grad."""
@@ -218,6 +339,7 @@ def test_write_from_a_thread_without_context_to_a_foreign_save_raises(consumed: 
     assert x.grad is None
 
 
+@needs_innermost_hooks_reader
 def test_foreign_save_unchanged_from_other_thread_gives_plain_gradient() -> None:
     """With no write, tying foreign saves to their node leaves the gradient as plain autograd's."""
     x = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)

@@ -1,0 +1,171 @@
+"""What autograd stores for a tensor saved in the context, and the check made when it is read.
+
+`make_pack` gives a context its pack hook and its tracker; both return a `SavedTensor`, a
+handle whose tensor the context replaces by a clone before a write reaches it
+(`context_state`), and `unpack` hands that tensor back unless a write the context did not see
+changed it. See NOTE [Detecting writes the context did not see] below.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import NoReturn
+
+import torch
+
+from tensorhooks._core.errors import MutationContextExitedError, SavedTensorModifiedError
+from tensorhooks._core.guards import modified_message, register_protected_pack_hook
+from tensorhooks._core.torch_compat import (
+    PYTHON_DISPATCH_KEY,
+    is_dispatch_key_excluded,
+    is_newest_node,
+    set_dispatch_key_excluded,
+)
+
+__all__ = [
+    "PLAIN_TENSOR_TYPES",
+    "SavedTensor",
+    "Track",
+    "check_version",
+    "make_pack",
+    "unpack",
+    "unseen_write_error",
+]
+
+# Tensor types whose detach never needs Python dispatch (no __torch_dispatch__ of their own).
+PLAIN_TENSOR_TYPES = frozenset(
+    t for t in (torch.Tensor, torch.nn.Parameter, getattr(torch.nn, "Buffer", None)) if t
+)
+
+_EXITED_MESSAGE = (
+    # torch's own sentence first, as torch writes it (no space in "contextin", on 2.11 to 2.15),
+    # for code that matches it
+    "Trying to backward outside of the 'allow_mutation_on_saved_tensors' contextin which the "
+    "graph was originally recorded. "
+    "allow_mutation_on_saved_tensors: backward needed a tensor saved inside the context, but the "
+    "context has exited (or was cleared) since the forward pass recorded the graph, so in-place "
+    "changes made after that were not tracked. Run backward inside the same "
+    "`with tensorhooks.allow_mutation_on_saved_tensors():` block as the forward pass."
+)
+
+
+class SavedTensor:
+    """What autograd stores for a tensor saved in the context: an alias of it, or its clone.
+
+    ``tensor`` is emptied when the context closes; reading it then raises.
+    """
+
+    __slots__ = ("__weakref__", "slack", "tensor", "version")
+
+    tensor: torch.Tensor
+    # The versions ``tensor`` may be at with no write the context did not see: from ``version``
+    # to ``version + slack``. See NOTE [Detecting writes the context did not see].
+    version: int
+    slack: int
+
+    def __getattr__(self, name: str) -> NoReturn:
+        # Only reached when a slot is empty, i.e. after the context closed.
+        if name == "tensor":
+            raise MutationContextExitedError(_EXITED_MESSAGE)
+        raise AttributeError(name)
+
+
+# NOTE [Detecting writes the context did not see]
+#
+# Cloning before a write protects saved tensors from the writes the dispatch mode sees. Some it
+# cannot see: a write on a thread with no open context, a write to a sparse tensor's values or
+# indices (another storage, the same version counter), a write under saved-tensor hooks that
+# tensorhooks did not install. Each handle therefore records its tensor's version counter at
+# save, and unpacking compares: a mismatch means a write changed the tensor with no clone taken,
+# and backward raises autograd's own in-place error instead of reading changed data. A write the
+# mode did see and that left a saved tensor unchanged (a non-overlapping slice of its storage)
+# still moves the shared counter. The mode runs below autograd, which bumps the counter after the
+# op returns, so after such a write each handle on that storage accepts its current version up
+# to one more per tensor written there (``slack``). Costs: two ints per save, one comparison per
+# unpack, and, after a write that reaches a storage holding saved tensors, one pass over that
+# storage's handles.
+
+
+def unseen_write_error(tensor: torch.Tensor, saved_version: int) -> SavedTensorModifiedError:
+    """Autograd's in-place error for ``tensor``, changed by a write the context did not see."""
+    try:
+        type_name = tensor.type()
+    except RuntimeError:  # layouts without a legacy type name (sparse CSR)
+        type_name = f"{tensor.layout} {tensor.dtype}"
+    return SavedTensorModifiedError(
+        modified_message(type_name, list(tensor.shape), tensor._version, saved_version)
+        + " Hint: the tensor was saved inside allow_mutation_on_saved_tensors() and then changed "
+        "in place by a write the context did not see, so it could not keep the save-time value: "
+        "a write made on a thread with no open context, through a sparse tensor's components, or "
+        "under saved-tensor hooks that tensorhooks did not install. Make the write inside the "
+        "context on the thread that runs the forward pass, or write to a copy."
+    )
+
+
+def check_version(saved: SavedTensor, tensor: torch.Tensor) -> None:
+    """Raise if a write the context did not see changed ``tensor`` (a mismatch, the slow path)."""
+    if not saved.version <= tensor._version <= saved.version + saved.slack:
+        raise unseen_write_error(tensor, saved.version)
+
+
+def unpack(saved: SavedTensor) -> torch.Tensor:
+    """Hand back what ``saved`` holds, unless a write the context did not see changed it."""
+    tensor = saved.tensor
+    if tensor._version != saved.version:
+        check_version(saved, tensor)
+    return tensor
+
+
+def _detached(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor.detach()``, made without entering this context's dispatch mode where possible."""
+    if type(tensor) not in PLAIN_TENSOR_TYPES:
+        return tensor.detach()
+    # detach() would otherwise go through the dispatch mode (microseconds).
+    was_excluded = is_dispatch_key_excluded(PYTHON_DISPATCH_KEY)
+    set_dispatch_key_excluded(PYTHON_DISPATCH_KEY, True)
+    try:
+        return tensor.detach()
+    finally:
+        set_dispatch_key_excluded(PYTHON_DISPATCH_KEY, was_excluded)
+
+
+_Pack = Callable[[torch.Tensor], SavedTensor]
+Track = Callable[[torch.Tensor, bool], SavedTensor]
+
+
+def make_pack(pending: set[weakref.ref[SavedTensor]]) -> tuple[_Pack, Track]:
+    """Return the context's pack hook and its tracker; handles go into ``pending``.
+
+    ``track(tensor, is_output)`` makes the handle of a tensor whose ``is_output`` test was made
+    earlier (guarded user pairs, see `_GuardedPair.pack` in `guarded_pairs.py`); ``pack`` tests
+    now. See NOTE [Clone before write] in `context.py` for why saved outputs are held through a
+    detached alias. Handles stay in ``pending`` until a write indexes them.
+    """
+    add = pending.add
+    discard = pending.discard
+    newest = is_newest_node
+
+    def pack(tensor: torch.Tensor) -> SavedTensor:
+        # The hot path: is_output_of_saving_node and track inlined.
+        saved = SavedTensor()
+        grad_fn = tensor.grad_fn
+        if grad_fn is None or not newest(grad_fn):
+            saved.tensor = tensor
+        else:
+            saved.tensor = _detached(tensor)
+        saved.version = tensor._version
+        saved.slack = 0
+        add(weakref.ref(saved, discard))
+        return saved
+
+    def track(tensor: torch.Tensor, is_output: bool) -> SavedTensor:
+        saved = SavedTensor()
+        saved.tensor = _detached(tensor) if is_output else tensor
+        saved.version = tensor._version
+        saved.slack = 0
+        add(weakref.ref(saved, discard))
+        return saved
+
+    register_protected_pack_hook(pack)
+    return pack, track
