@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -16,7 +17,7 @@ from tensorhooks._core.errors import (
 from .slots import Slot
 from .transfers import CudaTransfer, ParameterTransfer
 
-__all__ = ["Block", "build_blocks", "resolve_transfer"]
+__all__ = ["Block", "build_blocks", "check_on_host", "resolve_transfer"]
 
 
 class Block:
@@ -120,30 +121,53 @@ def resolve_transfer(
     device: torch.device | str | int | None,
     pin_memory: bool,
     transfer: ParameterTransfer | None,
-) -> ParameterTransfer:
-    """The transfer given, or a `CudaTransfer` to ``device`` (default: the current CUDA one)."""
+) -> ParameterTransfer | None:
+    """The transfer given, a `CudaTransfer` to ``device``, or None: nothing to stream (the CPU).
+
+    ``device=None`` is the current CUDA device, or the CPU (with a warning) when there is none.
+    """
     if transfer is not None:
         return transfer
     if device is None:
         if not torch.cuda.is_available():
-            raise ParameterOffloadDeviceError(
-                "offload_parameters: no CUDA device is available (torch.cuda.is_available() is "
-                "False) and device=None asks for the current one; run where a CUDA device is "
-                "visible, or pass transfer=... for another accelerator"
-            )
+            warnings.warn(_NO_CUDA_WARNING, UserWarning, stacklevel=3)
+            return None
         device = torch.cuda.current_device()
     target = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if target.type == "cpu":
+        return None
     if target.type != "cuda":
         raise ParameterOffloadValueError(
-            f"offload_parameters: device={device!r} is not a CUDA device; parameters are "
-            "streamed to an accelerator from host memory: pass a CUDA device, or "
-            f"transfer=... implementing ParameterTransfer for {target.type!r}"
+            f"offload_parameters: device={device!r} is neither a CUDA device nor the CPU; "
+            "parameters are streamed to an accelerator from host memory: pass a CUDA device, "
+            f"device='cpu' (nothing streamed), or transfer=... implementing ParameterTransfer "
+            f"for {target.type!r}"
         )
     if not torch.cuda.is_available():
         raise ParameterOffloadDeviceError(
             f"offload_parameters: device={device!r} was asked for but no CUDA device is "
-            "available (torch.cuda.is_available() is False); run where one is visible, or "
-            "pass device=None on a machine with one"
+            "available (torch.cuda.is_available() is False); run where one is visible, or pass "
+            "device='cpu' (or device=None) to run on the CPU, where nothing is streamed"
         )
     index = torch.cuda.current_device() if target.index is None else target.index
     return CudaTransfer(torch.device("cuda", index), pin_memory=bool(pin_memory))
+
+
+_NO_CUDA_WARNING = (
+    "offload_parameters: no CUDA device is available, so device=None runs the model on the CPU "
+    "and nothing is streamed: parameters and gradients stay where they are, and the blocks run "
+    "there. Pass device='cpu' to ask for this without the warning"
+)
+
+
+def check_on_host(blocks: list[Block]) -> None:
+    """On the CPU nothing is streamed: every parameter and buffer must already be there."""
+    for block in blocks:
+        for slot in block.slots:
+            if slot.tensor.device.type != "cpu":
+                raise ParameterOffloadValueError(
+                    f"offload_parameters: on the CPU (device='cpu', or no CUDA device) nothing "
+                    f"is streamed and blocks run where their tensors are, but {slot.name} is on "
+                    f"{slot.tensor.device}; move the model to the CPU first, or pass the "
+                    "device it is on"
+                )

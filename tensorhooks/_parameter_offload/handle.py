@@ -18,7 +18,7 @@ from torch.utils.hooks import RemovableHandle
 from tensorhooks._core.errors import ParameterOffloadValueError
 from tensorhooks._core.late_grads import LateGrads
 
-from .blocks import Block, build_blocks, resolve_transfer
+from .blocks import Block, build_blocks, check_on_host, resolve_transfer
 from .streaming import Streamer
 from .transfers import ParameterTransfer
 
@@ -63,7 +63,8 @@ class ParameterOffloadHandle:
 
     Attributes:
         blocks: the modules whose parameters move together, in the order they run.
-        device: the device parameters are copied to while their block runs.
+        device: the device parameters are copied to while their block runs (the CPU when
+            nothing is streamed).
     """
 
     def __init__(
@@ -146,16 +147,18 @@ def offload_parameters(
     conversions (``model.double()``), ``requires_grad`` turned on or off, buffers replaced, and
     writes a block makes to its own weights while it runs (``nn.Embedding(max_norm=...)``) are
     all kept. An optimizer step in a ``register_post_accumulate_grad_hook`` hook sees the host
-    parameter with its host gradient.
+    parameter with its host gradient. On the CPU (``device="cpu"``, or no CUDA device with
+    ``device=None``) nothing is streamed, so one training script runs on both.
 
     Example:
         >>> import torch, tensorhooks
+        >>> device = "cuda" if torch.cuda.is_available() else "cpu"
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
-        >>> handle = tensorhooks.offload_parameters(model, device="cuda")  # doctest: +SKIP
-        >>> model(torch.ones(2, 4, device="cuda")).sum().backward()  # doctest: +SKIP
-        >>> model[0].weight.device, model[0].weight.grad.device  # doctest: +SKIP
+        >>> handle = tensorhooks.offload_parameters(model, device=device)
+        >>> model(torch.ones(2, 4, device=device)).sum().backward()
+        >>> model[0].weight.device, model[0].weight.grad.device
         (device(type='cpu'), device(type='cpu'))
-        >>> handle.remove()  # doctest: +SKIP
+        >>> handle.remove()
 
     Args:
         module: the model. Its own parameters outside every block are left where they are.
@@ -163,7 +166,9 @@ def offload_parameters(
             (backward prefetches in reverse). Default: the children of ``module``, each item of
             an ``nn.ModuleList`` child (or of ``module`` itself) a block of its own. Blocks must
             not contain one another; a parameter in two blocks is a tied weight.
-        device: where blocks run; default the current CUDA device.
+        device: where blocks run; default the current CUDA device, or the CPU (with a warning)
+            when there is none. On the CPU nothing is streamed: the blocks run where their
+            parameters are, which must then be host memory.
         prefetch: how many blocks ahead to start copying (0: copy each block when it starts).
         pin_memory: keep host copies in page-locked memory, so copies run asynchronously.
         transfer: how to copy between host and device (`ParameterTransfer`); default CUDA
@@ -174,9 +179,11 @@ def offload_parameters(
 
     Raises:
         ParameterOffloadValueError: for a block that is not a submodule of ``module``, a block
-            listed twice or inside another, no blocks, a negative ``prefetch``, or tensors
-            another live handle streams (a ``ValueError``).
-        ParameterOffloadDeviceError: when no CUDA device is available (a ``RuntimeError``).
+            listed twice or inside another, no blocks, a negative ``prefetch``, a device that is
+            neither CUDA nor the CPU, a parameter not on the CPU when nothing is streamed, or
+            tensors another live handle streams (a ``ValueError``).
+        ParameterOffloadDeviceError: when a CUDA device is asked for and none is available (a
+            ``RuntimeError``).
         ParameterOffloadTypeError: when ``module`` or a block is not an ``nn.Module`` (a
             ``TypeError``).
         ParameterOffloadStateError: when a block starts and the module holds a new object in
@@ -184,11 +191,17 @@ def offload_parameters(
             graph built before ``remove()``, or when a weight it saved had its data replaced
             since forward (a ``RuntimeError``).
 
+    Warns:
+        UserWarning: with ``device=None`` and no CUDA device: nothing is streamed.
+
     Threads: one forward or backward of the model at a time. Parameters used outside the
     forward of a block that holds them are on the host then.
     """
     block_list = build_blocks(module, blocks, prefetch)
     resolved = resolve_transfer(device, pin_memory, transfer)
+    if resolved is None:
+        check_on_host(block_list)
+        return ParameterOffloadHandle(block_list, torch.device("cpu"), _Claim(block_list))
     claim = _Claim(block_list)
     streamer = Streamer(block_list, resolved, prefetch)
     try:
