@@ -88,6 +88,7 @@ class Slot:
         "holders",
         "hooks",
         "host",
+        "host_signature",
         "is_param",
         "locations",
         "name",
@@ -108,7 +109,7 @@ class Slot:
         self.requires_grad = self.is_param and tensor.requires_grad
         self.original = tensor.device
         self.host = tensor.data
-        self.signature = signature(tensor)
+        self.signature = self.host_signature = signature(tensor)
         self.holders = 0
         self.device: torch.Tensor | None = None
         self.device_version = -1
@@ -128,6 +129,17 @@ class Slot:
         self.tensor.data = value
         self.signature = signature(self.tensor)
 
+    def make_host(self, value: torch.Tensor) -> None:
+        """Make ``value`` (host memory) the value and the tensor's data."""
+        self.host = value
+        self.assign(value)
+        self.host_signature = self.signature
+
+    def to_host(self) -> None:
+        """Make ``host`` the tensor's data again (its signature is known already)."""
+        self.tensor.data = self.host
+        self.signature = self.host_signature
+
     def replaced(self) -> bool:
         """Whether the tensor's data was replaced since `assign` (by ``.data = ...``)."""
         return signature(self.tensor) != self.signature
@@ -141,10 +153,10 @@ class Slot:
         """Move the value (and ``.grad``) into host memory the transfer can copy from."""
         tensor = self.tensor
         grad = tensor.grad if self.is_param else None
-        self.host = transfer.host_copy(tensor.data)
+        host = transfer.host_copy(tensor.data)
         if grad is not None:
             tensor.grad = None
-        self.assign(self.host)
+        self.make_host(host)
         if grad is not None:
             tensor.grad = _host_grad(grad, transfer)
 
@@ -163,8 +175,7 @@ class Slot:
             self.signature = signature(self.tensor)
         else:
             self.accumulator = None  # let autograd make one matching the new data
-            self.host = transfer.host_copy(value)
-            self.assign(self.host)
+            self.make_host(transfer.host_copy(value))
         return True
 
     def install(self, copy: torch.Tensor) -> None:
@@ -182,8 +193,8 @@ class Slot:
                 if _fits(self.host, device):
                     self.host.copy_(device)
                 else:
-                    self.host = transfer.host_copy(device)
-            self.assign(self.host)
+                    self.make_host(transfer.host_copy(device))
+            self.to_host()
 
     def evict(self, transfer: ParameterTransfer) -> None:
         """The last holder let go: the value goes back to ``host``; the device copy is dropped."""

@@ -205,9 +205,13 @@ class Streamer:
                 self._hook(slot)
 
     def _check_locations(self, slot: Slot) -> None:
-        held = [getattr(module, name, None) for module, name in slot.locations]
-        if all(tensor is slot.tensor for tensor in held):
+        tensor = slot.tensor
+        for module, name in slot.locations:
+            if getattr(module, name, None) is not tensor:
+                break
+        else:
             return
+        held = [getattr(module, name, None) for module, name in slot.locations]
         new = held[0]
         if slot.is_param or not isinstance(new, torch.Tensor) or any(t is not new for t in held):
             kind = "parameter" if slot.is_param else "buffer"
@@ -243,20 +247,25 @@ class Streamer:
     # --- residency ----------------------------------------------------------------------------
 
     def stage(self, block: Block) -> None:
-        """Start copying the block's slots that are neither installed nor staged up to date."""
+        """Start copying the block's slots that are neither installed nor staged up to date.
+
+        A copy staged ahead of a change the user makes before the block starts is dropped when
+        `hold` takes the change in (`Slot.follow`), and made again.
+        """
         for slot in block.slots:
-            if slot.holders == 0:
-                self.sync(slot)
-                if slot.staged_version != slot.tensor._version:
-                    slot.staged, slot.staged_token = self.transfer.to_device(slot.host)
-                    slot.staged_version = slot.tensor._version
+            if slot.holders == 0 and slot.staged_version != slot.tensor._version:
+                slot.staged, slot.staged_token = self.transfer.to_device(slot.host)
+                slot.staged_version = slot.tensor._version
 
     def hold(self, block: Block, owner: object) -> None:
         """Add ``owner`` to the block's holders, installing its device copies on the first."""
         with self.lock:
             first = not block.owners
             if first:
-                self.stage(block)  # raises before anything is held when the model changed badly
+                for slot in block.slots:
+                    if slot.holders == 0:
+                        self.sync(slot)  # raises before anything is held: a refused change
+                self.stage(block)
             block.owners[owner] = block.owners.get(owner, 0) + 1
             if not first:
                 return
