@@ -8,7 +8,7 @@ post-accumulate-grad hook) either gives exactly the resident model's parameters 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -58,10 +58,6 @@ def assert_same(ours: nn.Module, resident: nn.Module) -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
-def both(*models: nn.Module) -> Iterator[nn.Module]:
-    yield from models
-
-
 def _assign(m: nn.Module) -> None:
     m[1][0].weight.data = torch.full((6, 6), 0.25, dtype=F64)
 
@@ -101,7 +97,7 @@ class TestBetweenSteps:
     def test_value_changes_are_the_new_values(self, change: str) -> None:
         """A value changed between steps is what the next step uses and what remove() keeps."""
         ours, resident, handle = offloaded()
-        for m in both(ours, resident):
+        for m in (ours, resident):
             step(m, batch(1))
             CHANGES[change](m)
             m.zero_grad()
@@ -113,7 +109,7 @@ class TestBetweenSteps:
     def test_remove_keeps_a_change_made_after_the_last_step(self) -> None:
         """remove() right after param.data = ... keeps the new value (not the old host copy)."""
         ours, resident, handle = offloaded()
-        for m in both(ours, resident):
+        for m in (ours, resident):
             step(m, batch())
             _vector(m)
         handle.remove()
@@ -144,7 +140,7 @@ class TestBetweenSteps:
             return nn.Sequential(*(nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6)) for _ in "ab"))
 
         ours, resident, handle = offloaded(build)
-        for m in both(ours, resident):
+        for m in (ours, resident):
             step(m, batch(dtype=torch.float32))
             m.double()
             step(m, batch(2))
@@ -157,11 +153,11 @@ class TestBetweenSteps:
     def test_requires_grad_turned_off_and_on(self) -> None:
         """Freezing and unfreezing parameters between steps gives the resident gradients."""
         ours, resident = model(), model()
-        for m in both(ours, resident):
+        for m in (ours, resident):
             m[0].requires_grad_(False)  # frozen when wrapped
         transfer = HostCloneTransfer()
         handle = th.offload_parameters(ours, transfer=transfer)
-        for m in both(ours, resident):
+        for m in (ours, resident):
             step(m, batch(1))
             m.zero_grad()
             m[0].requires_grad_(True)
@@ -255,7 +251,7 @@ class TestWritesInsideAForward:
             return nn.Sequential(Renormalised(assign), Renormalised(assign))
 
         ours, resident, handle = offloaded(build)
-        for m in both(ours, resident):
+        for m in (ours, resident):
             for seed in range(2):
                 step(m, batch(seed))
         assert_same(ours, resident)
@@ -280,7 +276,7 @@ class TestWritesInsideAForward:
             return nn.Sequential(Counting(), Counting())
 
         ours, resident, handle = offloaded(build)
-        for m in both(ours, resident):
+        for m in (ours, resident):
             for seed in range(3):
                 step(m, batch(seed))
         assert float(ours[0].count) == 3.0
@@ -314,7 +310,7 @@ class TestOptimizerInBackward:
         if order == "registered after wrapping":
             install(ours, record=True)
         install(resident, record=False)
-        for m in both(ours, resident):
+        for m in (ours, resident):
             for seed in range(3):
                 step(m, batch(seed))
         assert seen
@@ -331,7 +327,7 @@ class TestOptimizerInBackward:
             assert param.grad is not None
             param.grad.mul_(0.5)
 
-        for m in both(ours, resident):
+        for m in (ours, resident):
             for param in m.parameters():
                 param.register_post_accumulate_grad_hook(halve)
             step(m, batch(1))
@@ -352,7 +348,7 @@ class TestRemove:
 
         ours, resident, handle = offloaded(build)
         tokens = torch.tensor([[1, 2], [2, 7]])
-        for m in both(ours, resident):
+        for m in (ours, resident):
             step(m, tokens)
             step(m, tokens)
         grad = ours[0].weight.grad
@@ -386,7 +382,7 @@ class TestRemove:
             handle.remove()
         assert len(attempts) == len(list(ours.parameters())) + len(list(ours.buffers()))
         transfer.loads.clear()
-        for m in both(ours, resident):
+        for m in (ours, resident):
             step(m, batch())
         assert transfer.loads == []  # unhooked: plain autograd, the failed one on the host
         assert_same(ours, resident)
