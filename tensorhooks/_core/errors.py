@@ -22,8 +22,8 @@ same situation, so code written against ``torch.autograd.graph`` (``except Runti
 * ``offload_parameters``, an argument of the wrong type: `ParameterOffloadTypeError`
   (``TypeError``); blocks or options it cannot work with: `ParameterOffloadValueError`
   (``ValueError``); no accelerator to stream to: `ParameterOffloadDeviceError` (``RuntimeError``);
-  backward over a graph built before the handle was removed: `ParameterOffloadStateError`
-  (``RuntimeError``).
+  backward over a graph built before the handle was removed, or a model changed in a way it
+  cannot follow: `ParameterOffloadStateError` (``RuntimeError``).
 * ``sync_gradients``, an argument of the wrong type: `SyncArgumentTypeError` (``TypeError``); a
   value it cannot use: `SyncArgumentValueError` (``ValueError``); synchronisation failed in
   backward: `GradientSyncError` (``RuntimeError``).
@@ -183,10 +183,13 @@ class ParameterOffloadTypeError(TensorHooksError, TypeError):
 
 
 class ParameterOffloadStateError(TensorHooksError, RuntimeError):
-    """Backward reached a graph built under `tensorhooks.offload_parameters` after ``remove()``.
+    """`tensorhooks.offload_parameters` met a model or a graph in a state it cannot work with.
 
-    The handle's hooks are gone, so nothing would bring the parameters back or move their
-    gradients. Inherits `RuntimeError`, what autograd raises for a graph it can no longer run.
+    Backward over a graph built before ``remove()`` (the handle's hooks are gone, so nothing
+    would bring the parameters back or move their gradients); a block starting while its module
+    holds a new object in place of a streamed parameter (``load_state_dict(assign=True)``: the
+    hooks are on the old one); backward needing a weight whose data was replaced since forward.
+    Inherits `RuntimeError`, what autograd raises for a graph it can no longer run.
     """
 
 

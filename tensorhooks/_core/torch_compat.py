@@ -18,6 +18,7 @@ import contextlib
 import enum
 import functools
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -57,6 +58,7 @@ __all__ = [
     "op_call",
     "op_schema",
     "pop_saved_tensors_hooks",
+    "post_accumulate_grad_hooks",
     "push_saved_tensors_hooks",
     "queue_callback",
     "sequence_nr",
@@ -471,3 +473,14 @@ def neg_view(tensor: torch.Tensor) -> torch.Tensor:
     No fallback is needed: every supported release has it.
     """
     return torch._neg_view(tensor)
+
+
+def post_accumulate_grad_hooks(tensor: torch.Tensor) -> OrderedDict[int, Any] | None:
+    """The hooks ``tensor.register_post_accumulate_grad_hook`` added, in the order they run.
+
+    ``Tensor._post_accumulate_grad_hooks``, an ordered dict (by handle id) that autograd reads
+    when it calls them, or None before the first one; reordering it reorders the calls. Known on
+    torch 2.1 (where the method came).
+    """
+    hooks = tensor._post_accumulate_grad_hooks
+    return hooks if isinstance(hooks, OrderedDict) else None

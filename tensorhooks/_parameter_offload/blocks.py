@@ -1,7 +1,8 @@
-"""The records `offload_parameters` streams (slots, blocks) and the checks of its arguments."""
+"""The blocks `offload_parameters` streams, and the checks of its arguments."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -13,84 +14,22 @@ from tensorhooks._core.errors import (
     ParameterOffloadValueError,
 )
 
+from .slots import Slot
 from .transfers import CudaTransfer, ParameterTransfer
 
-__all__ = ["Block", "Slot", "build_blocks", "resolve_transfer"]
-
-
-def _copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A plain (unpinned, on the host) copy of ``tensor`` on ``device``, strides kept."""
-    copy = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
-    return copy.copy_(tensor)
-
-
-class Slot:
-    """One parameter or buffer streamed between host and device (see `streaming`).
-
-    ``tensor`` is the object the model holds; ``host`` its value between uses; ``holders`` how
-    many blocks hold it on the device; ``staged`` a device copy started ahead of use, valid while
-    ``tensor``'s version is still ``staged_version``.
-    """
-
-    __slots__ = (
-        "blocks",
-        "holders",
-        "host",
-        "is_param",
-        "original",
-        "staged",
-        "staged_token",
-        "staged_version",
-        "tensor",
-    )
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-        self.is_param = isinstance(tensor, nn.Parameter)
-        self.original = tensor.device
-        self.host = tensor.data
-        self.holders = 0
-        self.staged: torch.Tensor | None = None
-        self.staged_token: object = None
-        self.staged_version = -1
-        self.blocks: list[Block] = []
-
-    def offload(self, transfer: ParameterTransfer) -> None:
-        """Move the value (and ``.grad``) into host memory the transfer can copy from."""
-        tensor = self.tensor
-        grad = tensor.grad if self.is_param else None
-        self.host = transfer.host_copy(tensor.data)
-        if grad is not None:
-            tensor.grad = None
-        tensor.data = self.host
-        if grad is not None:
-            tensor.grad = transfer.host_copy(grad)
-
-    def restore(self) -> None:
-        """Put the value (and ``.grad``) back on the device it was on before `offload`."""
-        self.staged = self.staged_token = None
-        tensor = self.tensor
-        grad = tensor.grad if self.is_param else None
-        if grad is not None:
-            tensor.grad = None
-        tensor.data = _copy_to(self.host, self.original)
-        if grad is not None:
-            tensor.grad = _copy_to(grad, self.original)
+__all__ = ["Block", "build_blocks", "check_on_host", "resolve_transfer"]
 
 
 class Block:
     """A module whose slots move together, and who holds it on the device now."""
 
-    __slots__ = ("grad_params", "index", "module", "owners", "slot_ids", "slots")
+    __slots__ = ("index", "module", "owners", "slot_ids", "slots")
 
     def __init__(self, index: int, module: nn.Module, slots: list[Slot]) -> None:
         self.index = index
         self.module = module
         self.slots = slots
         self.slot_ids = frozenset(id(s) for s in slots)
-        self.grad_params: list[nn.Parameter] = [
-            s.tensor for s in slots if isinstance(s.tensor, nn.Parameter) and s.tensor.requires_grad
-        ]
         self.owners: dict[object, int] = {}
 
 
@@ -156,13 +95,23 @@ def build_blocks(
         )
     modules = _default_blocks(module) if blocks is None else list(blocks)
     _check_blocks(module, modules)
+    names = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
     slots: dict[int, Slot] = {}
     result = []
     for index, block_module in enumerate(modules):
-        tensors = [*block_module.parameters(), *block_module.buffers()]
-        block_slots = [slots.setdefault(id(t), Slot(t)) for t in tensors]
-        block = Block(index, block_module, block_slots)
-        for slot in block_slots:
+        block_slots: dict[int, Slot] = {}
+        for owner in block_module.modules():
+            prefix = names[id(owner)] + "." if names[id(owner)] else ""
+            held = [*owner.named_parameters(recurse=False), *owner.named_buffers(recurse=False)]
+            for name, tensor in held:
+                slot = slots.get(id(tensor))
+                if slot is None:
+                    slot = slots[id(tensor)] = Slot(tensor, prefix + name)
+                if (owner, name) not in slot.locations:
+                    slot.locations.append((owner, name))
+                block_slots.setdefault(id(slot), slot)
+        block = Block(index, block_module, list(block_slots.values()))
+        for slot in block.slots:
             slot.blocks.append(block)
         result.append(block)
     return result
@@ -172,30 +121,53 @@ def resolve_transfer(
     device: torch.device | str | int | None,
     pin_memory: bool,
     transfer: ParameterTransfer | None,
-) -> ParameterTransfer:
-    """The transfer given, or a `CudaTransfer` to ``device`` (default: the current CUDA one)."""
+) -> ParameterTransfer | None:
+    """The transfer given, a `CudaTransfer` to ``device``, or None: nothing to stream (the CPU).
+
+    ``device=None`` is the current CUDA device, or the CPU (with a warning) when there is none.
+    """
     if transfer is not None:
         return transfer
     if device is None:
         if not torch.cuda.is_available():
-            raise ParameterOffloadDeviceError(
-                "offload_parameters: no CUDA device is available (torch.cuda.is_available() is "
-                "False) and device=None asks for the current one; run where a CUDA device is "
-                "visible, or pass transfer=... for another accelerator"
-            )
+            warnings.warn(_NO_CUDA_WARNING, UserWarning, stacklevel=3)
+            return None
         device = torch.cuda.current_device()
     target = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if target.type == "cpu":
+        return None
     if target.type != "cuda":
         raise ParameterOffloadValueError(
-            f"offload_parameters: device={device!r} is not a CUDA device; parameters are "
-            "streamed to an accelerator from host memory: pass a CUDA device, or "
-            f"transfer=... implementing ParameterTransfer for {target.type!r}"
+            f"offload_parameters: device={device!r} is neither a CUDA device nor the CPU; "
+            "parameters are streamed to an accelerator from host memory: pass a CUDA device, "
+            f"device='cpu' (nothing streamed), or transfer=... implementing ParameterTransfer "
+            f"for {target.type!r}"
         )
     if not torch.cuda.is_available():
         raise ParameterOffloadDeviceError(
             f"offload_parameters: device={device!r} was asked for but no CUDA device is "
-            "available (torch.cuda.is_available() is False); run where one is visible, or "
-            "pass device=None on a machine with one"
+            "available (torch.cuda.is_available() is False); run where one is visible, or pass "
+            "device='cpu' (or device=None) to run on the CPU, where nothing is streamed"
         )
     index = torch.cuda.current_device() if target.index is None else target.index
     return CudaTransfer(torch.device("cuda", index), pin_memory=bool(pin_memory))
+
+
+_NO_CUDA_WARNING = (
+    "offload_parameters: no CUDA device is available, so device=None runs the model on the CPU "
+    "and nothing is streamed: parameters and gradients stay where they are, and the blocks run "
+    "there. Pass device='cpu' to ask for this without the warning"
+)
+
+
+def check_on_host(blocks: list[Block]) -> None:
+    """On the CPU nothing is streamed: every parameter and buffer must already be there."""
+    for block in blocks:
+        for slot in block.slots:
+            if slot.tensor.device.type != "cpu":
+                raise ParameterOffloadValueError(
+                    f"offload_parameters: on the CPU (device='cpu', or no CUDA device) nothing "
+                    f"is streamed and blocks run where their tensors are, but {slot.name} is on "
+                    f"{slot.tensor.device}; move the model to the CPU first, or pass the "
+                    "device it is on"
+                )

@@ -1,6 +1,7 @@
-"""offload_parameters: a model's parameters live in host memory and visit the device per block.
+"""The streamer of `offload_parameters`: block hooks that move parameters and land gradients.
 
-See NOTE [Streaming parameters with hooks] below.
+See NOTE [Streaming parameters with hooks] below, and in `slots`:
+NOTE [The value of a slot, and changes made under it].
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import functools
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,42 +21,50 @@ from torch.utils.hooks import RemovableHandle
 from tensorhooks._core.compile import not_traced
 from tensorhooks._core.errors import ParameterOffloadStateError
 from tensorhooks._core.guards import SavedCopy, is_output_of_saving_node, modified_error
-from tensorhooks._core.late_grads import LANDING_ORDER, LateGrads
+from tensorhooks._core.late_grads import LANDING_ORDER
 from tensorhooks._core.store import graph_task_store
 from tensorhooks._core.torch_compat import (
     current_graph_task_id,
     is_captured_accumulator,
+    post_accumulate_grad_hooks,
     top_saved_tensors_hooks,
-    will_engine_execute_nodes,
+    will_engine_execute_node,
 )
-from tensorhooks._hooks import register_multi_grad_hook, saved_tensors_hooks
+from tensorhooks._hooks import saved_tensors_hooks
 
-from .blocks import Block, Slot, build_blocks, resolve_transfer
+from .blocks import Block
+from .slots import Slot, accumulate
 from .transfers import ParameterTransfer
 
-__all__ = ["ParameterOffloadHandle", "offload_parameters"]
+__all__ = ["Streamer"]
 
 # NOTE [Streaming parameters with hooks]
 #
-# Every parameter and buffer of a block is one *slot*: the tensor object the model holds (the
-# same ``nn.Parameter`` from start to end), a host tensor that is the one true value, and a
-# count of the blocks holding it on the device. *Holding* a block installs device copies
-# (``tensor.data = copy``); when no block holds a slot any more, ``tensor.data = host`` again.
-# Device copies of parameters are only ever read, so releasing one needs no copy back; buffers
-# (running statistics) are copied back. Holders are owners: the block's running
-# forward, or a backward call (graph task).
+# Every parameter and buffer of a block is one *slot* (`slots.Slot`): the tensor object the model
+# holds (the same ``nn.Parameter`` from start to end), a host tensor that is its value while no
+# block holds it, and a count of the blocks holding it on the device. *Holding* a block installs
+# device copies (``tensor.data = copy``); when no block holds a slot any more, its value goes back
+# to the host tensor (copied back where it was written on the device, and always for buffers) and
+# ``tensor.data = host`` again. Holders are owners: the block's running forward, or a backward
+# call (graph task). Before a slot no block holds is used, what the user changed since is taken in
+# (`Streamer.sync`): new data (see NOTE [The value of a slot, and changes made under it]), a new
+# buffer object in the module (followed), a new parameter object (refused: the hooks are on the
+# old one), ``requires_grad`` turned on or off (hooks added or removed).
 #
 # Forward. A block's pre-forward hook holds it and *stages* the next ``prefetch`` blocks (starts
 # their copies; staged copies are not installed, so a parameter changed on the host before its
-# block runs is copied again: the stage remembers the parameter's version). The post-forward hook
-# (always called, also when forward raises) drops the hold; when forward raised, the blocks it
-# staged will not run next, so their staged copies are dropped too. So is every staged copy when
-# the model's forward ends, returning or raising (backward stages its own). While a block runs, a
-# pair of saved-tensor hooks is pushed: a tensor saved for backward that is a slot, a view of one,
-# or a dtype cast of a parameter (autocast) is replaced by a placeholder holding no device memory;
-# every other tensor goes to the pair that was innermost before (``save_on_cpu``), so activations
-# can be offloaded too. Without the placeholder the graph would keep the parameter *object*, whose
-# ``.data`` is the host tensor by the time backward runs.
+# block runs is copied again: the stage remembers the parameter's version). Installing a
+# parameter in a forward records its gradient accumulator, the node this forward's graph uses.
+# The post-forward hook (always called, also when forward or the pre-forward hook raises) drops
+# the hold; when forward raised, the blocks it staged will not run next, so their staged copies
+# are dropped too. So is every staged copy when the model's forward ends, returning or raising
+# (backward stages its own). While a block runs, a pair of saved-tensor hooks is pushed: a tensor
+# saved for backward that is a slot, a view of one, or a dtype cast of a parameter (autocast) is
+# replaced by a placeholder holding no device memory; every other tensor goes to the pair that was
+# innermost before (``save_on_cpu``), so activations can be offloaded too. Without the placeholder
+# the graph would keep the parameter *object*, whose ``.data`` is the host tensor by the time
+# backward runs. A placeholder unpacked after the parameter was written in place raises autograd's
+# error; after its data was replaced, `ParameterOffloadStateError`.
 #
 # Backward. The first unpack in a graph task of anything saved while a block ran (a placeholder, an
 # activation, the inputs of a `checkpoint` region, which its recomputation unpacks before it reads
@@ -63,18 +72,27 @@ __all__ = ["ParameterOffloadHandle", "offload_parameters"]
 # hold the block (and stage the blocks before it); an activation unpacked after all of the block's
 # gradients arrived does not bring it back. A tensor hook on each parameter, which runs before
 # autograd accumulates, sets aside a host ``.grad`` left by an earlier backward (accumulation must
-# not mix devices); a post-accumulate hook starts copying the new gradient to the host and clears
-# the device one. An ``"all"`` multi-grad hook on the block's parameters tells when every gradient
-# of the block that this backward computes has arrived; once those are accumulated too, the task
-# drops the block. At the successful end of the task the host gradients land in ``.grad`` (added to
-# what was set aside), in an end callback of order `LANDING_ORDER` of `_core.late_grads`: the
-# parameters are registered there, so that what reads ``.grad`` during backward (`sync_gradients`)
-# reads it after that instead. When backward fails, the task's holds are dropped and the set-aside
-# gradients restored, so a failed backward changes nothing. All of it lives in the graph-task store.
+# not mix devices). A post-accumulate hook, kept first among the parameter's post-accumulate hooks,
+# starts copying the new gradient to the host and clears the device one. When the parameter has
+# other post-accumulate hooks (an optimizer step in backward), it copies at once instead, adds what
+# was set aside, writes ``.grad`` and *parks* the slot (``tensor.data = host``, the device copy kept
+# for saved weights), so that those hooks see the host value with its gradient and what they write
+# is the value. The first time a task touches a block it asks the engine which of the block's
+# recorded accumulators run; once each of those ran (or, for a gradient ``autograd.grad``
+# captures, its tensor hook fired) the task drops the block. At the successful end of the task the
+# host gradients land in ``.grad`` (added to what was set aside), in an end callback of order
+# `LANDING_ORDER` of `_core.late_grads`: the parameters are registered there, so that what reads
+# ``.grad`` during backward (`sync_gradients`) reads it after that instead. When backward fails,
+# the task's holds are dropped and the set-aside gradients restored, so a failed backward changes
+# nothing. All of it lives in the graph-task store.
 #
-# Autograd checks a gradient's device against what its gradient accumulator recorded when it was
-# created. The accumulators of the streamed parameters are therefore created once while the
-# parameters are on the device, and kept alive (by the multi-grad hooks) until ``remove()``.
+# Accumulators. Autograd checks a gradient against what the parameter's accumulator recorded when
+# it was created (device, dtype, shape), and forgets the accumulator when ``.data`` changes device
+# or dtype. So the accumulator is recorded while the parameter is installed in forward (autograd
+# makes it then, for the device copy), and forgotten when the user replaces the data, so that a
+# new one matching it is made. A parameter installed twice in one forward (a weight tied between
+# blocks, released between them) may so have two accumulators in one graph: its gradients are
+# summed per parameter when they land.
 #
 # After ``remove()`` a graph built under the handle cannot be used: its gradients would reach
 # accumulators expecting the streaming device and no hook would move them to where the parameters
@@ -82,17 +100,16 @@ __all__ = ["ParameterOffloadHandle", "offload_parameters"]
 # of anything saved inside a block of such a graph raises instead, before anything changes.
 
 _FORWARD = "forward"  # owner of the hold a block's running forward takes
-_SETUP = "setup"  # owner of the hold taken while accumulators are created
 
 
 class _Placeholder(SavedCopy):
     """What the graph keeps for a saved slot, a view of one, or a cast of a parameter.
 
     A `SavedCopy` for the save guards: it holds no device tensor, refetches the block's
-    parameters at unpack and checks their version itself.
+    parameters at unpack and checks their version (and that their data was not replaced) itself.
     """
 
-    __slots__ = ("block", "dtype", "offset", "size", "slot", "stride", "version")
+    __slots__ = ("block", "dtype", "generation", "offset", "size", "slot", "stride", "version")
 
     def __init__(self, slot: Slot, block: Block, view: torch.Tensor, dtype: Any) -> None:
         self.slot = slot
@@ -102,6 +119,7 @@ class _Placeholder(SavedCopy):
         self.stride = view.stride()
         self.offset = view.storage_offset()
         self.version = slot.tensor._version
+        self.generation = slot.generation
 
 
 class _Outer:
@@ -114,15 +132,28 @@ class _Outer:
         self.unpack = unpack
 
 
-class _Progress:
-    """How far one block's gradients got in one graph task."""
+class _Frame:
+    """One running block forward: whether its hold was taken, and the pair it pushed."""
 
-    __slots__ = ("accumulated", "awaiting", "fired")
+    __slots__ = ("context", "held")
 
     def __init__(self) -> None:
-        self.fired = False
-        self.awaiting: set[int] = set()
-        self.accumulated: set[int] = set()
+        self.held = False
+        self.context: saved_tensors_hooks | None = None
+
+
+class _Progress:
+    """Which gradients of one block one graph task still waits for.
+
+    ``waiting`` maps a slot (by id) to True while its accumulator is still to run, to False while
+    its tensor hook is still to fire (a gradient ``autograd.grad`` captures).
+    """
+
+    __slots__ = ("expected", "waiting")
+
+    def __init__(self, waiting: dict[int, bool]) -> None:
+        self.expected = bool(waiting)
+        self.waiting = waiting
 
 
 class _TaskData:
@@ -133,8 +164,8 @@ class _TaskData:
     def __init__(self) -> None:
         self.finished = False
         self.held: dict[int, None] = {}
-        self.stash: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
-        self.pending: list[tuple[nn.Parameter, torch.Tensor, object]] = []
+        self.stash: dict[int, tuple[Slot, torch.Tensor]] = {}
+        self.pending: list[tuple[Slot, torch.Tensor, object]] = []
         self.progress: dict[int, _Progress] = {}
 
 
@@ -147,7 +178,7 @@ class _TaskShell:
         self.data = data
 
 
-class _Streamer:
+class Streamer:
     """Moves the slots of blocks between host and device. See NOTE [Streaming parameters...]."""
 
     def __init__(self, blocks: list[Block], transfer: ParameterTransfer, prefetch: int) -> None:
@@ -157,14 +188,70 @@ class _Streamer:
         self.lock = threading.RLock()
         self.key = object()
         self.slots: dict[int, Slot] = {id(s.tensor): s for b in blocks for s in b.slots}
-        self.accumulators: dict[int, Node] = {}
+        self.unrestored: list[Slot] = []  # offloaded, not put back yet
         self.removed = False  # set by the handle's remove(): see NOTE [Streaming parameters ...]
         self._pushed = threading.local()
+
+    # --- what the user changed ----------------------------------------------------------------
+
+    def sync(self, slot: Slot) -> None:
+        """Take in what the user changed since the slot was last used; no block holds it."""
+        self._check_locations(slot)
+        slot.follow(self.transfer)
+        if slot.is_param and slot.tensor.requires_grad != slot.requires_grad:
+            slot.requires_grad = slot.tensor.requires_grad
+            self._unhook(slot)
+            if slot.requires_grad:
+                self._hook(slot)
+
+    def _check_locations(self, slot: Slot) -> None:
+        tensor = slot.tensor
+        for module, name in slot.locations:
+            if getattr(module, name, None) is not tensor:
+                break
+        else:
+            return
+        held = [getattr(module, name, None) for module, name in slot.locations]
+        new = held[0]
+        if slot.is_param or not isinstance(new, torch.Tensor) or any(t is not new for t in held):
+            kind = "parameter" if slot.is_param else "buffer"
+            raise ParameterOffloadStateError(
+                f"offload_parameters: {slot.name} is no longer the {kind} offload_parameters "
+                f"streams: the module now holds {_describe(new)} (load_state_dict(assign=True), "
+                "an assignment, or model.to() with overwrite_module_params_on_conversion); call "
+                "handle.remove() before replacing parameters and offload_parameters again "
+                "after, or change the values instead (in place, or param.data = ...)"
+            )
+        del self.slots[id(slot.tensor)]
+        slot.tensor = new  # a buffer the module replaced (model.double(), self.buf = ...)
+        self.slots[id(new)] = slot
+        slot.signature = ()  # so that `Slot.follow` takes its data as the value
+
+    def _hook(self, slot: Slot) -> None:
+        """The parameter's tensor hook and post-accumulate hook, the latter first of its kind."""
+        param = slot.tensor
+        slot.hooks.append(param.register_hook(self._grad_arriving(slot)))  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+        accumulated = param.register_post_accumulate_grad_hook
+        handle = accumulated(functools.partial(self._grad_accumulated, slot))  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+        slot.hooks.append(handle)
+        hooks = post_accumulate_grad_hooks(param)
+        assert hooks is not None  # just registered one
+        hooks.move_to_end(handle.id, last=False)  # See NOTE [Streaming parameters with hooks]
+
+    @staticmethod
+    def _unhook(slot: Slot) -> None:
+        for handle in slot.hooks:
+            handle.remove()
+        slot.hooks.clear()
 
     # --- residency ----------------------------------------------------------------------------
 
     def stage(self, block: Block) -> None:
-        """Start copying the block's slots that are neither installed nor staged up to date."""
+        """Start copying the block's slots that are neither installed nor staged up to date.
+
+        A copy staged ahead of a change the user makes before the block starts is dropped when
+        `hold` takes the change in (`Slot.follow`), and made again.
+        """
         for slot in block.slots:
             if slot.holders == 0 and slot.staged_version != slot.tensor._version:
                 slot.staged, slot.staged_token = self.transfer.to_device(slot.host)
@@ -174,22 +261,28 @@ class _Streamer:
         """Add ``owner`` to the block's holders, installing its device copies on the first."""
         with self.lock:
             first = not block.owners
+            if first:
+                for slot in block.slots:
+                    if slot.holders == 0:
+                        self.sync(slot)  # raises before anything is held: a refused change
+                self.stage(block)
             block.owners[owner] = block.owners.get(owner, 0) + 1
             if not first:
                 return
-            self.stage(block)
+            record = owner is _FORWARD and current_graph_task_id() == -1
             for slot in block.slots:
                 if slot.holders == 0:
-                    self._install(slot)
+                    self._install(slot, record)
                 slot.holders += 1
 
-    def _install(self, slot: Slot) -> None:
+    def _install(self, slot: Slot, record: bool) -> None:
         copy, token = slot.staged, slot.staged_token
-        assert copy is not None
-        slot.staged = slot.staged_token = None
-        slot.staged_version = -1
+        assert copy is not None  # `hold` staged it
+        slot.unstage()
         self.transfer.wait(copy, token)
-        slot.tensor.data = copy
+        slot.install(copy)
+        if record and slot.requires_grad:
+            slot.accumulator = _accumulator(slot.tensor)  # See NOTE [Streaming parameters ...]
 
     def drop(self, block: Block, owner: object) -> None:
         """Remove one hold of ``owner``; the last holder's drop returns the slots to the host."""
@@ -204,23 +297,14 @@ class _Streamer:
             for slot in block.slots:
                 slot.holders -= 1
                 if slot.holders == 0:
-                    self._evict(slot)
-
-    def _evict(self, slot: Slot) -> None:
-        tensor = slot.tensor
-        if not slot.is_param:
-            # Buffers may have changed (running statistics). Kernels such as batch_norm write
-            # them without bumping their version counter, so they are always copied back.
-            slot.host.copy_(tensor.data)
-        tensor.data = slot.host
+                    slot.evict(self.transfer)
 
     def unstage(self, indexes: range) -> None:
         """Drop the staged copies of the blocks at ``indexes`` (those past the end are skipped)."""
         with self.lock:
             for block in self.blocks[indexes.start : indexes.stop]:
                 for slot in block.slots:
-                    slot.staged = slot.staged_token = None
-                    slot.staged_version = -1
+                    slot.unstage()
 
     def discard_staged(self, keep: range) -> None:
         """Drop staged copies of blocks outside ``keep`` (indexes), unless a kept block has them."""
@@ -228,47 +312,68 @@ class _Streamer:
         for block in self.blocks:
             for slot in block.slots:
                 if slot.staged is not None and id(slot) not in kept:
-                    slot.staged = slot.staged_token = None
-                    slot.staged_version = -1
+                    slot.unstage()
 
     def device_data(self, block: Block, slot: Slot) -> torch.Tensor:
         """The slot's device copy, held for the running backward (or a transient copy outside)."""
         if current_graph_task_id() == -1:
             with self.lock:
-                if slot.holders:
-                    return slot.tensor.data
+                if slot.device is not None:
+                    return slot.device
                 copy, token = self.transfer.to_device(slot.host)
             self.transfer.wait(copy, token)
             return copy
         self.backward_hold(block)
-        return slot.tensor.data
+        assert slot.device is not None  # the task holds it
+        return slot.device
+
+    def offload(self) -> None:
+        """Move every slot into host memory (the parameters' ``.grad`` too)."""
+        for slot in self.slots.values():
+            slot.offload(self.transfer)
+            self.unrestored.append(slot)
+
+    def restore(self) -> list[tuple[Slot, BaseException]]:
+        """Put back every slot not put back yet; return those that failed, with their error."""
+        failures: list[tuple[Slot, BaseException]] = []
+        with self.lock:
+            self.discard_staged(range(0))
+            for slot in self.unrestored:
+                self._unhook(slot)
+                try:
+                    slot.restore(self.transfer)
+                except Exception as error:  # the others are put back first; see remove()
+                    failures.append((slot, error))
+            self.unrestored = [slot for slot, _ in failures]
+        return failures
 
     # --- forward ------------------------------------------------------------------------------
 
     @not_traced("offload_parameters")  # See NOTE [Contexts under torch.compile]
     def pre_forward(self, block: Block) -> None:
         """Hold the block, stage the next ones, push the saved-tensor pair while it runs."""
+        frame = _Frame()
+        self._pushed.__dict__.setdefault("stack", []).append(frame)
         window = range(block.index, block.index + self.prefetch + 1)
         with self.lock:
             self.discard_staged(window)
             self.hold(block, _FORWARD)
+            frame.held = True
             for index in window[1:]:
                 if index < len(self.blocks):
                     self.stage(self.blocks[index])
-        stack: list[saved_tensors_hooks | None] = self._pushed.__dict__.setdefault("stack", [])
-        context = None
         if torch.is_grad_enabled():
-            context = self._saved_pair(block)
-            context.__enter__()
-        stack.append(context)
+            frame.context = self._saved_pair(block)
+            frame.context.__enter__()
 
     @not_traced("offload_parameters")
     def post_forward(self, block: Block, output: Any) -> None:
         """Pop the pair, drop the block's forward hold, drop autocast's casts of its weights."""
-        context = self._pushed.stack.pop()
-        if context is not None:
-            context.__exit__(None, None, None)
-        self.drop(block, _FORWARD)
+        frame: _Frame = self._pushed.stack.pop()
+        if frame.context is not None:
+            frame.context.__exit__(None, None, None)
+        if frame.held:
+            self.drop(block, _FORWARD)
         if output is None and sys.exc_info()[1] is not None and current_graph_task_id() == -1:
             # The forward raised (torch calls an always-called hook from its ``except`` block,
             # with no output): the blocks staged for what came next will not run now.
@@ -307,18 +412,22 @@ class _Streamer:
         """The slot ``tensor`` is, views or (for a cast) was made from, and the cast's dtype."""
         base = tensor._base if tensor._base is not None else tensor
         slot = self.slots.get(id(base))
-        if slot is not None and slot.tensor is base:
-            return slot, None
-        grad_fn = base.grad_fn
-        if grad_fn is None or type(grad_fn).__name__ != "ToCopyBackward0":
-            return None
-        source = getattr(grad_fn.next_functions[0][0], "variable", None)
-        slot = self.slots.get(id(source))
-        if slot is None or slot.tensor is not source or base.device != source.device:
-            return None
-        if base.shape != source.shape or base.stride() != source.stride():
-            return None
-        return slot, base.dtype
+        if slot is None or slot.tensor is not base:
+            grad_fn = base.grad_fn
+            if grad_fn is None or type(grad_fn).__name__ != "ToCopyBackward0":
+                return None
+            source = getattr(grad_fn.next_functions[0][0], "variable", None)
+            slot = self.slots.get(id(source))
+            if slot is None or slot.tensor is not source or base.device != source.device:
+                return None
+            if base.shape != source.shape or base.stride() != source.stride():
+                return None
+            dtype = base.dtype
+        else:
+            dtype = None
+        with self.lock:
+            slot.follow(self.transfer)  # data replaced inside the forward: it is what is saved
+        return slot, dtype
 
     def _unpack(self, block: Block, packed: Any) -> torch.Tensor:
         """Unpack what the pair of ``block`` packed; see NOTE [Streaming parameters with hooks]."""
@@ -337,14 +446,21 @@ class _Streamer:
         data = self.task()
         if block.index in data.held:
             return
-        progress = data.progress.get(block.index)
-        if progress is None or not progress.fired or progress.awaiting:
+        progress = self._progress(data, block)
+        if not progress.expected or progress.waiting:
             self.backward_hold(block)
 
     def _unpack_placeholder(self, packed: _Placeholder) -> torch.Tensor:
         slot = packed.slot
         if slot.tensor._version != packed.version:
             raise modified_error(slot.tensor, packed.version)
+        if slot.generation != packed.generation or slot.replaced():
+            raise ParameterOffloadStateError(
+                f"offload_parameters: backward needs {slot.name} as it was in forward, but its "
+                "data was replaced since (param.data = ..., vector_to_parameters, model.to(), "
+                "model.double()); run backward before changing the model, or run the forward "
+                "again after the change"
+            )
         data = self.device_data(packed.block, slot)
         if packed.dtype is not None:
             data = data.to(packed.dtype)
@@ -376,7 +492,7 @@ class _Streamer:
             if block.index in data.held:
                 return
             for index in list(data.held):
-                if not self._has_pending_grads(data, index):
+                if not self._progress(data, self.blocks[index]).waiting:
                     self._release(data, index)
             self.discard_staged(range(block.index - self.prefetch, block.index + 1))
             self.hold(block, data)
@@ -385,68 +501,81 @@ class _Streamer:
                 if index >= 0:
                     self.stage(self.blocks[index])
 
-    def _has_pending_grads(self, data: _TaskData, index: int) -> bool:
-        block = self.blocks[index]
-        accumulators = [self.accumulators[id(p)] for p in block.grad_params]
-        if not accumulators or will_engine_execute_nodes(accumulators) == 0:
-            return False
-        progress = data.progress.get(index)
-        return progress is None or not progress.fired or bool(progress.awaiting)
+    def _progress(self, data: _TaskData, block: Block) -> _Progress:
+        """What the task waits for of the block, asked of the engine the first time."""
+        progress = data.progress.get(block.index)
+        if progress is None:
+            waiting: dict[int, bool] = {}
+            for slot in block.slots:
+                node = slot.accumulator
+                if not slot.requires_grad or node is None:
+                    continue
+                if is_captured_accumulator(node):
+                    waiting[id(slot)] = False
+                elif will_engine_execute_node(node):
+                    waiting[id(slot)] = True
+            progress = data.progress[block.index] = _Progress(waiting)
+        return progress
 
     def _release(self, data: _TaskData, index: int) -> None:
         with self.lock:
             if data.held.pop(index, False) is None:
                 self.drop(self.blocks[index], data)
 
-    def grad_arriving(self, param: nn.Parameter) -> Callable[[torch.Tensor], None]:
-        """Tensor hook: hold a block of ``param``; set its host ``.grad`` aside."""
-        slot = self.slots[id(param)]
+    def _done(self, data: _TaskData, slot: Slot, accumulated: bool) -> None:
+        """The slot's gradient arrived (``accumulated``, or captured): release finished blocks."""
+        for block in slot.blocks:
+            progress = self._progress(data, block)
+            if progress.waiting.get(id(slot)) is accumulated:
+                del progress.waiting[id(slot)]
+                if not progress.waiting:
+                    self._release(data, block.index)
+
+    def _grad_arriving(self, slot: Slot) -> Callable[[torch.Tensor], None]:
+        """Tensor hook: hold a block of the slot; set its host ``.grad`` aside."""
+        param = slot.tensor
 
         def hook(grad: torch.Tensor) -> None:
             data = self.task()
             if not any(b.index in data.held for b in slot.blocks):
                 self.backward_hold(slot.blocks[0])
-            if param.grad is not None and not is_captured_accumulator(self.accumulators[id(param)]):
-                data.stash[id(param)] = (param, param.grad)
+            node = slot.accumulator
+            if node is not None and is_captured_accumulator(node):
+                self._done(data, slot, accumulated=False)
+            elif param.grad is not None:
+                data.stash[id(slot)] = (slot, param.grad)
                 param.grad = None
 
         return hook
 
-    def grad_accumulated(self, param: torch.Tensor) -> None:
+    def _grad_accumulated(self, slot: Slot, param: torch.Tensor) -> None:
         """Post-accumulate hook: send the gradient to the host, mark it done for its blocks."""
-        grad = param.grad
-        assert grad is not None
-        assert isinstance(param, nn.Parameter)
-        param.grad = None
         data = self.task()
+        grad = param.grad
+        if grad is not None:
+            param.grad = None
+            hooks = post_accumulate_grad_hooks(param)
+            if hooks is not None and len(hooks) > 1:
+                self._park(data, slot, grad)
+            else:
+                host, token = self.transfer.to_host(grad)
+                data.pending.append((slot, host, token))
+        self._done(data, slot, accumulated=True)
+
+    def _park(self, data: _TaskData, slot: Slot, grad: torch.Tensor) -> None:
+        """Land the gradient now and make the host value the data, for the hooks that follow."""
         host, token = self.transfer.to_host(grad)
-        data.pending.append((param, host, token))
-        for block in self.slots[id(param)].blocks:
-            progress = data.progress.setdefault(block.index, _Progress())
-            progress.accumulated.add(id(param))
-            progress.awaiting.discard(id(param))
-            self._maybe_done(data, block.index, progress)
-
-    def grads_arrived(self, block: Block) -> Callable[[Sequence[torch.Tensor | None]], None]:
-        """The block's "all" multi-grad hook: every gradient of this task reached its params."""
-
-        def on_all(grads: Sequence[torch.Tensor | None]) -> None:
-            data = self.task()
-            progress = data.progress.setdefault(block.index, _Progress())
-            progress.fired = True
-            for param, grad in zip(block.grad_params, grads, strict=True):
-                key = id(param)
-                if grad is None or key in progress.accumulated:
-                    continue
-                if not is_captured_accumulator(self.accumulators[key]):
-                    progress.awaiting.add(key)
-            self._maybe_done(data, block.index, progress)
-
-        return on_all
-
-    def _maybe_done(self, data: _TaskData, index: int, progress: _Progress) -> None:
-        if progress.fired and not progress.awaiting:
-            self._release(data, index)
+        self.transfer.synchronize(token)
+        for entry in [entry for entry in data.pending if entry[0] is slot]:
+            data.pending.remove(entry)  # an earlier accumulator of the same parameter
+            self.transfer.synchronize(entry[2])
+            host = accumulate(entry[1], host)
+        stashed = data.stash.pop(id(slot), None)
+        if stashed is not None:
+            host = accumulate(stashed[1], host)
+        with self.lock:
+            slot.park(self.transfer)
+        _land(slot, host)
 
     def _finish(self, data: _TaskData) -> None:
         """Successful end of the task: release everything, land the gradients in ``.grad``."""
@@ -454,12 +583,15 @@ class _Streamer:
             for index in list(data.held):
                 self._release(data, index)
             self.discard_staged(range(0))
-        for param, host, token in data.pending:
+        landed: dict[int, tuple[Slot, torch.Tensor]] = {}
+        for slot, host, token in data.pending:
             self.transfer.synchronize(token)
-            stashed = data.stash.pop(id(param), None)
-            grad = host if stashed is None else stashed[1].add_(host)
-            param.grad = grad if param.device == grad.device else grad.to(param.device)
+            earlier = landed.get(id(slot))
+            landed[id(slot)] = (slot, host if earlier is None else accumulate(earlier[1], host))
         data.pending.clear()
+        for key, (slot, grad) in landed.items():
+            stashed = data.stash.pop(key, None)
+            _land(slot, grad if stashed is None else accumulate(stashed[1], grad))
         self._restore_stash(data)
         data.finished = True
 
@@ -476,51 +608,37 @@ class _Streamer:
 
     @staticmethod
     def _restore_stash(data: _TaskData) -> None:
-        for param, grad in data.stash.values():
-            param.grad = grad
+        for slot, grad in data.stash.values():
+            slot.tensor.grad = grad
         data.stash.clear()
 
     # --- setup --------------------------------------------------------------------------------
 
     def register(self, model: nn.Module) -> list[RemovableHandle]:
-        """Create the accumulators on the device and register every hook; return the handles."""
+        """Register the module hooks and the parameters' gradient hooks; return the handles."""
         handles: list[RemovableHandle] = []
         try:
             hook = model.register_forward_hook
             handles.append(hook(lambda *_: self.post_model_forward(), always_call=True))
-            self._register(handles)
+            for block in self.blocks:
+                handles += [
+                    block.module.register_forward_pre_hook(
+                        lambda _m, _a, b=block: self.pre_forward(b)
+                    ),
+                    block.module.register_forward_hook(
+                        lambda _m, _a, o, b=block: self.post_forward(b, o), always_call=True
+                    ),
+                ]
+            for slot in self.slots.values():
+                if slot.requires_grad:
+                    self._hook(slot)
         except BaseException:
             for handle in handles:
                 handle.remove()
+            for slot in self.slots.values():
+                self._unhook(slot)
             raise
         return handles
-
-    def _register(self, handles: list[RemovableHandle]) -> None:
-        seen: set[int] = set()
-        for block in self.blocks:
-            handles += [
-                block.module.register_forward_pre_hook(lambda _m, _a, b=block: self.pre_forward(b)),
-                block.module.register_forward_hook(
-                    lambda _m, _a, o, b=block: self.post_forward(b, o), always_call=True
-                ),
-            ]
-            if not block.grad_params:
-                continue
-            self.hold(block, _SETUP)
-            try:
-                for param in block.grad_params:
-                    if id(param) in seen:
-                        continue
-                    seen.add(id(param))
-                    self.accumulators[id(param)] = _accumulator(param)
-                    handles.append(param.register_hook(self.grad_arriving(param)))  # type: ignore[no-untyped-call]  # untyped in torch's stubs
-                    accumulated = param.register_post_accumulate_grad_hook
-                    handles.append(accumulated(self.grad_accumulated))  # type: ignore[no-untyped-call]  # untyped in torch's stubs
-                handles.append(
-                    register_multi_grad_hook(block.grad_params, self.grads_arrived(block))
-                )
-            finally:
-                self.drop(block, _SETUP)
 
 
 _REMOVED_MESSAGE = (
@@ -531,115 +649,20 @@ _REMOVED_MESSAGE = (
 )
 
 
-def _accumulator(param: nn.Parameter) -> Node:
+def _accumulator(param: torch.Tensor) -> Node:
     """The parameter's gradient accumulator (created now if no graph holds one)."""
     with torch.enable_grad():
         node: Node = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr, assignment]  # a leaf requiring grad has one
     return node
 
 
-class ParameterOffloadHandle:
-    """What `offload_parameters` returns: the blocks it streams, and ``remove()`` to stop.
-
-    Attributes:
-        blocks: the modules whose parameters move together, in the order they run.
-        device: the device parameters are copied to while their block runs.
-    """
-
-    def __init__(self, streamer: _Streamer, handles: list[RemovableHandle]) -> None:
-        self._streamer: _Streamer | None = streamer
-        self._handles = handles
-        self._late = LateGrads(p for b in streamer.blocks for p in b.grad_params)
-        self.blocks: tuple[nn.Module, ...] = tuple(b.module for b in streamer.blocks)
-        self.device: torch.device = streamer.transfer.device
-
-    def remove(self) -> None:
-        """Put every parameter and buffer back where it was, with its ``.grad``; unhook.
-
-        Call it outside forward and backward. Calling it again does nothing. A graph built
-        before cannot be used for backward any more (it raises `ParameterOffloadStateError`):
-        run backward first, or drop the graph and run forward again.
-        """
-        streamer, self._streamer = self._streamer, None
-        if streamer is None:
-            return
-        streamer.removed = True
-        self._late.remove()
-        for handle in self._handles:
-            handle.remove()
-        with streamer.lock:
-            streamer.discard_staged(range(0))
-            for slot in {id(s): s for b in streamer.blocks for s in b.slots}.values():
-                slot.restore()
+def _land(slot: Slot, grad: torch.Tensor) -> None:
+    """Write a landed gradient into ``.grad`` (on the parameter's device, if it is not there)."""
+    param = slot.tensor
+    param.grad = grad if param.device == grad.device else grad.to(param.device)
 
 
-def offload_parameters(
-    module: nn.Module,
-    *,
-    blocks: Sequence[nn.Module] | None = None,
-    device: torch.device | str | int | None = None,
-    prefetch: int = 1,
-    pin_memory: bool = True,
-    transfer: ParameterTransfer | None = None,
-) -> ParameterOffloadHandle:
-    """Keep ``module``'s parameters in host memory, copying each block's to the device as it runs.
-
-    Between uses every parameter and buffer of the blocks lives in (pinned) host memory. When a
-    block's forward starts its parameters are copied in (the next ``prefetch`` blocks' copies
-    start meanwhile) and when it ends they leave again; backward brings each block back before
-    its first node needs it, and as soon as all of the block's gradients are accumulated they go
-    to the host ``.grad`` and the device copies are freed. So the device holds about
-    ``1 + prefetch`` blocks' parameters at a time. The ``nn.Parameter`` objects stay the same, so
-    an optimizer built on ``module.parameters()`` steps on the host tensors.
-    ``torch.autograd.grad`` (which returns gradients on the device), ``backward(inputs=...)``,
-    gradient accumulation, ``retain_graph``, weights tied between blocks, frozen parameters,
-    autocast and ``save_on_cpu`` around the forward all work.
-
-    Example:
-        >>> import torch, tensorhooks
-        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
-        >>> handle = tensorhooks.offload_parameters(model, device="cuda")  # doctest: +SKIP
-        >>> model(torch.ones(2, 4, device="cuda")).sum().backward()  # doctest: +SKIP
-        >>> model[0].weight.device, model[0].weight.grad.device  # doctest: +SKIP
-        (device(type='cpu'), device(type='cpu'))
-        >>> handle.remove()  # doctest: +SKIP
-
-    Args:
-        module: the model. Its own parameters outside every block are left where they are.
-        blocks: the submodules whose parameters move together, in the order they run forward
-            (backward prefetches in reverse). Default: the children of ``module``, each item of
-            an ``nn.ModuleList`` child (or of ``module`` itself) a block of its own. Blocks must
-            not contain one another; a parameter in two blocks is a tied weight.
-        device: where blocks run; default the current CUDA device.
-        prefetch: how many blocks ahead to start copying (0: copy each block when it starts).
-        pin_memory: keep host copies in page-locked memory, so copies run asynchronously.
-        transfer: how to copy between host and device (`ParameterTransfer`); default CUDA
-            side streams. ``device`` and ``pin_memory`` are then ignored.
-
-    Returns:
-        A `ParameterOffloadHandle`; its ``remove()`` puts everything back.
-
-    Raises:
-        ParameterOffloadValueError: for a block that is not a submodule of ``module``, a block
-            listed twice or inside another, no blocks, or a negative ``prefetch`` (a
-            ``ValueError``).
-        ParameterOffloadDeviceError: when no CUDA device is available (a ``RuntimeError``).
-        ParameterOffloadTypeError: when ``module`` or a block is not an ``nn.Module`` (a
-            ``TypeError``).
-        ParameterOffloadStateError: in backward, over a graph built before ``remove()`` (a
-            ``RuntimeError``).
-
-    Threads: one forward or backward of the model at a time. Parameters used outside the
-    forward of a block that holds them are on the host then.
-    """
-    block_list = build_blocks(module, blocks, prefetch)
-    streamer = _Streamer(block_list, resolve_transfer(device, pin_memory, transfer), prefetch)
-    for slot in streamer.slots.values():
-        slot.offload(streamer.transfer)
-    try:
-        handles = streamer.register(module)
-    except BaseException:
-        for slot in streamer.slots.values():
-            slot.restore()
-        raise
-    return ParameterOffloadHandle(streamer, handles)
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"another {type(value).__name__} object"
+    return repr(value)

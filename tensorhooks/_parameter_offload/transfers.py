@@ -134,7 +134,13 @@ class CudaTransfer:
         tensor.record_stream(current)
 
     def to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, object]:
-        """Queue the copy of ``tensor`` to new (pinned) host memory on the device-to-host stream."""
+        """Queue the copy of ``tensor`` to new (pinned) host memory on the device-to-host stream.
+
+        A sparse gradient (``nn.Embedding(sparse=True)``) has no strided buffer to pin: it is
+        copied at once, on the current stream.
+        """
+        if tensor.layout != torch.strided:
+            return tensor.to("cpu"), None
         stream = self._to_host_stream
         stream.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(stream):
@@ -152,6 +158,8 @@ class CudaTransfer:
         return host, _Copy(event)
 
     def synchronize(self, token: object) -> None:
-        """Block until the device-to-host copy of ``token`` is done."""
+        """Block until the device-to-host copy of ``token`` is done (None: it was at once)."""
+        if token is None:
+            return
         assert isinstance(token, _Copy)
         token.event.synchronize()
