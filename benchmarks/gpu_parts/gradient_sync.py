@@ -10,8 +10,9 @@ gradient itself, so they must be equal bit for bit); and the step time (forward,
 ``p.grad = None``) of DDP, sync_gradients and no synchronisation, in interleaved rounds (CUDA
 events), with the CPU target's bound (at most 1.10x DDP's step) evaluated here too.
 
-Size on the GPU: an MLP of 8 x Linear(4096, 4096) + ReLU, fp32, batch 256: 512 MiB of gradients
-in about 21 buckets of 25 MiB. A dry run uses 2 x Linear(32, 32) on the CPU.
+Size on the GPU: an MLP of 8 x Linear(4096, 4096) + ReLU, fp32, batch 256: 512 MiB of gradients,
+every 64 MiB weight in a bucket of its own (over the 25 MiB cap), a few milliseconds of compute
+per step. A dry run uses 2 x Linear(32, 32) on the CPU.
 """
 
 from __future__ import annotations
