@@ -18,6 +18,7 @@ import re
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .process import run_logged
@@ -93,6 +94,10 @@ def pytest(
 ) -> tuple[PytestRun, int | None]:
     """Run pytest with ``args`` under ``limit_s``; its parsed log and exit status (None: late)."""
     env = dict(os.environ)
+    # The suite as CI runs it: the checkout on the path, not the benchmark scripts beside it.
+    paths = env.get("PYTHONPATH", "").split(os.pathsep)
+    scripts = ctx.root / "benchmarks"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p and Path(p).resolve() != scripts)
     if sanitizer:
         env["TORCH_CUDA_SANITIZER"] = "1"
     log = ctx.scratch / f"{label}.log"
