@@ -5,11 +5,14 @@ See NOTE [Contexts under torch.compile].
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+
+from .torch_compat import skip_code_in_dynamo
 
 __all__ = ["not_traced", "warn_compile_skipped"]
 
@@ -23,7 +26,7 @@ __all__ = ["not_traced", "warn_compile_skipped"]
 # are `torch.compiler.disable`d with a reason (`not_traced`), so Dynamo breaks the graph once
 # where the context is made, runs it eagerly, and under ``fullgraph=True`` raises an error that
 # names the context and says what to do, instead of tracing into the push and breaking the graph
-# at every step of it.
+# at every step of it. The marks are made without importing Dynamo (see `not_traced`).
 #
 # allow_mutation_on_saved_tensors works through a TorchDispatchMode, and Dynamo skips every
 # frame while a non-infra dispatch mode is active (torch's context included): a compiled
@@ -37,20 +40,45 @@ _warned: set[str] = set()
 
 
 def not_traced(what: str) -> Callable[[_F], _F]:
-    """Make Dynamo run ``fn`` eagerly, with one graph break, and say why under fullgraph."""
+    """Make Dynamo run ``fn`` eagerly, with one graph break, and say why under fullgraph.
+
+    Done without importing ``torch._dynamo`` (which pulls in the compiler stack, about a second
+    of ``import tensorhooks``): Dynamo skips the frames of a code object whose execution strategy
+    says so (`skip_code_in_dynamo`, recursively) and refuses to inline a function carrying
+    ``_torchdynamo_disable``, breaking the graph with ``_torchdynamo_disable_msg`` as the reason,
+    which is what ``torch.compiler.disable(fn, reason=...)`` sets up. Each marked function gets
+    its own code object, so that marking it marks nothing else. On a torch that cannot mark code
+    objects, ``torch.compiler.disable`` does it, importing Dynamo.
+    """
     reason = (
         f"tensorhooks.{what} cannot be entered inside a torch.compile'd function; enter it "
         "outside and call the compiled function (or model) inside it"
     )
 
     def mark(fn: _F) -> _F:
-        try:
-            disabled = torch.compiler.disable(fn, reason=reason)  # type: ignore[no-untyped-call]
-        except TypeError:  # torch < 2.7: no reason argument
-            disabled = torch.compiler.disable(fn)  # type: ignore[no-untyped-call]
-        return disabled  # type: ignore[no-any-return]
+        entry = _fresh_entry(fn)
+        if not skip_code_in_dynamo(entry.__code__):
+            return torch.compiler.disable(fn, reason=reason)  # type: ignore[no-any-return, no-untyped-call]
+        entry._torchdynamo_disable = True  # type: ignore[attr-defined]  # read by Dynamo
+        entry._torchdynamo_disable_msg = reason  # type: ignore[attr-defined]
+        return entry  # type: ignore[return-value]
 
     return mark
+
+
+def _fresh_entry(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A function calling ``fn``, with a code object of its own (the one Dynamo is told to skip).
+
+    Closures made by one ``def`` share their code object, and ``contextlib.contextmanager``
+    shares one helper among every context manager of the process: marking either would mark
+    them all. A code object copied for each call of this function belongs to ``fn`` alone.
+    """
+
+    def entry(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    entry.__code__ = entry.__code__.replace()  # a copy: same bytecode, its own identity
+    return functools.wraps(fn)(entry)
 
 
 def warn_compile_skipped(what: str) -> None:

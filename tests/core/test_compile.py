@@ -8,8 +8,11 @@ from __future__ import annotations
 import copy
 import functools
 import gc
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +24,8 @@ import tensorhooks
 from tensorhooks._core import compile as _compile
 from tensorhooks._core import torch_compat as _torch_compat
 from tests.params_device import HostCloneTransfer
+
+ROOT = Path(__file__).resolve().parents[2]
 
 dynamo = pytest.importorskip("torch._dynamo")
 from torch._dynamo.utils import counters  # noqa: E402
@@ -76,6 +81,28 @@ def graph_breaks(make: Make) -> int:
 def test_no_more_graph_breaks_than_torch(name: str, theirs: Make, ours: Make) -> None:
     """Entered inside a compiled function, each context breaks the graph at most as torch's."""
     assert graph_breaks(ours) <= graph_breaks(theirs), name
+
+
+def explained(make: Make) -> tuple[int, int]:
+    """(graphs compiled, graph breaks) of `program` as ``torch._dynamo.explain`` counts them."""
+    dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        explanation = dynamo.explain(program(make))(torch.randn(4, requires_grad=True))
+    return explanation.graph_count, explanation.graph_break_count
+
+
+@pytest.mark.parametrize(("name", "theirs", "ours"), CONTEXTS, ids=[c[0] for c in CONTEXTS])
+def test_explain_compiles_at_least_as_much_as_torch(name: str, theirs: Make, ours: Make) -> None:
+    """By torch._dynamo.explain: at most one break per context, and no fewer graphs than torch.
+
+    torch's contexts are on Dynamo's skip list, and Dynamo may then run the rest of the frame
+    eagerly (fewer breaks counted, less compiled); docs/compile.md states both counts.
+    """
+    our_graphs, our_breaks = explained(ours)
+    their_graphs, _ = explained(theirs)
+    assert our_breaks <= 1, name
+    assert our_graphs >= their_graphs, name
 
 
 @pytest.mark.parametrize(
@@ -288,3 +315,22 @@ def test_offload_parameters_fullgraph_error_names_it() -> None:
     compiled = torch.compile(offloaded, backend="aot_eager", fullgraph=True)
     with pytest.raises(Exception, match=r"tensorhooks\.offload_parameters"):
         compiled(torch.randn(4, 8))
+
+
+def test_import_does_not_load_dynamo() -> None:
+    """`import tensorhooks` leaves torch._dynamo (and the compiler stack) unimported."""
+    probe = "import sys, tensorhooks; print('torch._dynamo' in sys.modules)"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert done.stdout.strip() == "False"
+
+
+def test_marked_entry_points_are_skipped_without_dynamo() -> None:
+    """not_traced marks a function of its own for Dynamo, with the reason, and calls through."""
+    marked = _compile.not_traced("something")(lambda a, b=2: a + b)
+    assert marked(1) == 3
+    assert marked._torchdynamo_disable is True  # type: ignore[attr-defined]
+    assert "tensorhooks.something cannot be entered" in marked._torchdynamo_disable_msg  # type: ignore[attr-defined]
+    other = _compile.not_traced("other")(lambda: None)
+    assert other.__code__ is not marked.__code__
