@@ -1,7 +1,7 @@
-"""sync_gradients against DistributedDataParallel on two local gloo processes, defined once.
+"""The bench's sync_gradients part: against DistributedDataParallel on two local gloo processes.
 
-The bench (``python -m tensorhooks bench``) and ``benchmarks/sync_gradients.py`` both run
-`run_two_processes`: two processes on this machine, one intra-op thread each, train the same MLP
+The bench (``python -m tensorhooks bench``, `run_sync`) and ``benchmarks/sync_gradients.py`` both
+run `run_two_processes`: two processes on this machine, one intra-op thread each, train the same MLP
 (forward + backward + ``p.grad = None`` per step) wrapped in DDP, under ``sync_gradients``, and
 without any synchronisation (how much of the step is communication), timed in interleaved rounds
 by the one harness (see NOTE [How tensorhooks times things]), a barrier before each variant so
@@ -20,10 +20,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ._harness import Timings, interleaved
-from ._models import mlp
+from tensorhooks.cli._harness import Timings, interleaved
+from tensorhooks.cli._models import mlp
 
-__all__ = ["SyncConfig", "SyncResult", "measure", "run_two_processes"]
+from .results import BenchOptions, Comparison, Target, compare
+
+__all__ = ["SYNC_CONFIG", "SyncConfig", "SyncResult", "measure", "run_sync", "run_two_processes"]
 
 WORLD_SIZE = 2
 
@@ -138,3 +140,35 @@ def run_two_processes(config: SyncConfig) -> SyncResult:
         spawn(_worker, args=(directory, config), nprocs=WORLD_SIZE, join=True)  # type: ignore[no-untyped-call]
         result: SyncResult = torch.load(Path(directory) / "result.pt", weights_only=False)
     return result
+
+
+# Smaller than benchmarks/sync_gradients.py's default (6 x Linear(1024, 1024)): the bench's steps
+# per round apply here too, and the whole bench should take about a minute on two cores.
+SYNC_CONFIG = SyncConfig(layers=4, width=512, batch=32)
+
+
+def run_sync(options: BenchOptions, config: SyncConfig = SYNC_CONFIG) -> tuple[Comparison, str]:
+    """sync_gradients against DDP on two gloo processes: the table's row, the setting in words.
+
+    Both over the same step without synchronisation, which stands for plain autograd here.
+    """
+    config = SyncConfig(
+        layers=config.layers,
+        width=config.width,
+        batch=config.batch,
+        bucket_cap_mb=config.bucket_cap_mb,
+        rounds=options.rounds,
+        inner=options.steps,
+        warmup=config.warmup,
+    )
+    result = run_two_processes(config)
+    target = Target("sync_gradients", "DDP", 1.10, "x DDP")
+    row = compare(
+        result.timings,
+        "sync_gradients vs DDP (2 processes)",
+        "DDP",
+        "sync_gradients",
+        (target,),
+        plain="no sync (local)",
+    )
+    return row, result.describe(config)

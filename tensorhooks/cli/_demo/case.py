@@ -1,0 +1,176 @@
+"""What a demo case is (`Case`), what running it gives (`Result`, `Row`), what cases share (`Demo`).
+
+Each case runs the peer's implementation (torch's, or DDP, or torch.utils.checkpoint) and
+tensorhooks' on one situation where they differ, says what each did as an `Outcome`, and may
+time a training step of the shared tiny transformer under both (see NOTE [How tensorhooks times
+things]).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tensorhooks.cli._harness import Spread, interleaved
+from tensorhooks.cli._models import ModelConfig, TinyTransformer, backward, make_batch
+
+__all__ = [
+    "Case",
+    "Context",
+    "Demo",
+    "DemoConfig",
+    "Outcome",
+    "Result",
+    "Row",
+    "first_line",
+    "gradient_or_error",
+]
+
+Context = Callable[[], contextlib.AbstractContextManager[Any]]
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """What the demo runs: the model timed, and how long."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rounds: int = 5
+    steps: int = 2
+    processes: bool = True  # run the two-process sync_gradients case
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one implementation did on a case: a short result, a sentence, and whether it is OK."""
+
+    result: str
+    detail: str
+    good: bool
+
+
+@dataclass(frozen=True)
+class Result:
+    """What running a case gave: each side's outcome, and the step-time comparison if timed."""
+
+    torch: Outcome
+    ours: Outcome
+    timing: Spread | None = None  # step time, tensorhooks over the peer, per round
+    timed: str = ""  # what the timing measured
+
+
+@dataclass(frozen=True)
+class Case:
+    """One situation where a feature differs from its peer.
+
+    Attributes:
+        feature: the feature's name, as the summary lists it.
+        peer: what tensorhooks is compared against (torch.autograd.graph, DDP, ...).
+        situation: the case in words.
+        run: runs the peer's side and tensorhooks' side on the shared `Demo`.
+    """
+
+    feature: str
+    peer: str
+    situation: str
+    run: Callable[[Demo], Result]
+
+
+@dataclass(frozen=True)
+class Row:
+    """A case and what running it gave: what the demo prints, one section and summary row each."""
+
+    feature: str
+    peer: str
+    situation: str
+    torch: Outcome
+    ours: Outcome
+    timing: Spread | None = None
+    timed: str = ""
+
+    @classmethod
+    def of(cls, case: Case, result: Result) -> Row:
+        """The row of ``case`` once it gave ``result``."""
+        return cls(
+            case.feature,
+            case.peer,
+            case.situation,
+            result.torch,
+            result.ours,
+            result.timing,
+            result.timed,
+        )
+
+
+class Demo:
+    """What every case shares: the configuration, a model, a batch, and the step timer."""
+
+    def __init__(self, config: DemoConfig) -> None:
+        self.config = config
+        torch.manual_seed(config.model.seed)
+        self.model = TinyTransformer(config.model).to(config.model.device)
+        self.batch = make_batch(config.model)
+
+    @property
+    def cuda(self) -> bool:
+        """Whether the model runs on a CUDA device."""
+        return self.config.model.device.startswith("cuda")
+
+    def step(
+        self, context: Context, model: TinyTransformer | None = None, *, inplace: bool = False
+    ) -> Callable[[], None]:
+        """One training step (forward + backward) of the tiny transformer under ``context``."""
+        net = self.model if model is None else model
+
+        def run() -> None:
+            net.zero_grad(set_to_none=True)
+            with context():
+                loss = net(*self.batch, inplace=inplace)
+                backward(loss)
+
+        return run
+
+    def ratio(self, theirs: Callable[[], None], ours: Callable[[], None]) -> Spread:
+        """Step time of ``ours`` over ``theirs``, per round."""
+        timings = interleaved(
+            {"torch": theirs, "tensorhooks": ours},
+            rounds=self.config.rounds,
+            inner=self.config.steps,
+            threads=torch.get_num_threads(),
+        )
+        return timings.ratio("tensorhooks", "torch")
+
+
+def first_line(error: BaseException, width: int = 60) -> str:
+    """The error's type and the first line of its message, at most ``width`` characters."""
+    text = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def gradient_or_error(
+    program: Callable[[], torch.Tensor],
+    expected: torch.Tensor,
+    *,
+    raising_is_right: bool = True,
+    right: str = "the gradient of the save-time values",
+) -> Outcome:
+    """The gradient ``program`` returns, right or wrong, or the error it raises.
+
+    ``raising_is_right`` says whether an error is the right answer (no right gradient exists
+    without a copy) or a refusal of a program whose gradient is well defined; ``right`` is the
+    detail of a right gradient.
+    """
+    try:
+        grad = program()
+    except RuntimeError as error:
+        if raising_is_right:
+            return Outcome("raises", first_line(error), good=True)
+        return Outcome("refuses", first_line(error, width=93), good=False)  # say what it refuses
+    if torch.equal(grad, expected):
+        return Outcome("right gradient", right, good=True)
+    index = int((grad != expected).flatten().nonzero()[0])
+    got, want = grad.flatten()[index].item(), expected.flatten()[index].item()
+    return Outcome("WRONG gradient", f"silently {got:g} where {want:g} is right", good=False)

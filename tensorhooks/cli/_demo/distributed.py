@@ -1,0 +1,116 @@
+"""The sync_gradients case: two local gloo processes, a parameter that gets no gradient.
+
+DDP with its default settings raises at the second step; ``sync_gradients`` trains and leaves the
+unused parameter's gradient as None. Each process also times a step of a small MLP under both.
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import tensorhooks
+from tensorhooks.cli._harness import interleaved
+from tensorhooks.cli._models import backward, mlp
+
+from .case import Case, Demo, Outcome, Result, first_line
+
+__all__ = ["SYNC_GRADIENTS"]
+
+
+class _OneUnused(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.used(x)
+        return out
+
+
+def _sync_worker(rank: int, directory: str, rounds: int, steps: int) -> None:
+    """One of two gloo processes: DDP and sync_gradients on a model with an unused parameter."""
+    import torch.distributed as dist  # noqa: PLC0415  # only the worker processes need it
+    from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    init = f"file://{Path(directory) / 'rendezvous'}"
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    x = torch.full((1, 4), float(rank + 1))
+    outcomes: dict[str, Outcome] = {}
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(_OneUnused())
+    try:
+        for _ in range(2):
+            backward(ddp(x).sum())
+        outcomes["torch"] = Outcome("trains", "no error", good=True)
+    except RuntimeError as error:
+        outcomes["torch"] = Outcome("raises at step 2", first_line(error), good=False)
+    torch.manual_seed(0)
+    ours = _OneUnused()
+    handle = tensorhooks.distributed.sync_gradients(ours)
+    for _ in range(2):
+        backward(ours(x).sum())
+    grad = ours.used.weight.grad
+    right = grad is not None and torch.allclose(grad, torch.full((1, 4), 2 * 1.5))
+    detail = "2 steps, gradients averaged, the unused one left as None"
+    outcomes["ours"] = Outcome("trains", detail, good=right and ours.unused.weight.grad is None)
+    handle.remove()
+
+    torch.manual_seed(0)
+    base = mlp(4, 256)
+    batch = torch.randn(16, 256)
+    reference = DistributedDataParallel(copy.deepcopy(base))
+    synced = copy.deepcopy(base)
+    handle = tensorhooks.distributed.sync_gradients(synced)
+
+    def step(model: torch.nn.Module) -> Callable[[], None]:
+        def run() -> None:
+            backward(model(batch).sum())
+            model.zero_grad(set_to_none=True)
+
+        return run
+
+    timings = interleaved(
+        {"torch": step(reference), "tensorhooks": step(synced)}, rounds=rounds, inner=steps
+    )
+    handle.remove()
+    if rank == 0:
+        torch.save(
+            {"outcomes": outcomes, "timing": timings.ratio("tensorhooks", "torch")},
+            Path(directory) / "result.pt",
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _unused_parameter(demo: Demo) -> Result:
+    """Two local gloo processes; a parameter that gets no gradient."""
+    if not demo.config.processes:
+        skipped = Outcome("not run", "skipped (--no-processes)", good=True)
+        return Result(skipped, skipped)
+    from torch.multiprocessing.spawn import spawn  # noqa: PLC0415  # only this case needs it
+
+    with tempfile.TemporaryDirectory() as directory:
+        args = (directory, demo.config.rounds, demo.config.steps)
+        spawn(_sync_worker, args=args, nprocs=2, join=True)  # type: ignore[no-untyped-call]
+        result = torch.load(Path(directory) / "result.pt", weights_only=False)
+    outcomes = result["outcomes"]
+    return Result(
+        outcomes["torch"],
+        outcomes["ours"],
+        result["timing"],
+        "a step of 4 x Linear(256, 256), against DDP",
+    )
+
+
+SYNC_GRADIENTS = Case(
+    "distributed.sync_gradients",
+    "DDP",
+    "two gloo processes; one parameter gets no gradient (DDP's default settings)",
+    _unused_parameter,
+)
