@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tensorhooks.cli._harness import NOISE_MARGIN, Spread, verdict
+from tensorhooks.cli._verdict import MIN_ROUNDS, NOISE_MARGIN, Side, Spread, side
 
 from .results import BenchReport, Comparison, GpuRow
 
@@ -65,11 +65,12 @@ def _cpu_panel(axes: Any, rows: Sequence[Comparison]) -> None:
     )
 
 
-VERDICT_COLORS = {"faster": "tab:green", "slower": "tab:red", "same (within noise)": "tab:gray"}
+VERDICT_COLORS = {Side.BELOW: "tab:green", Side.ABOVE: "tab:red", Side.WITHIN_NOISE: "tab:gray"}
+"""The colour of a ratio tensorhooks / torch, by where its rounds lie against 1.00 (`side`)."""
 
 
 def _ratio_panel(axes: Any, rows: Sequence[Comparison]) -> None:
-    """The ratio tensorhooks / torch per feature, coloured by how to read it (see `verdict`)."""
+    """The ratio tensorhooks / torch per feature, coloured by how to read it (see `side`)."""
     from matplotlib.patches import Patch  # noqa: PLC0415  # slow to import
 
     shown = [(row.mode, row.ours_over_torch) for row in rows if row.ours_over_torch is not None]
@@ -78,7 +79,7 @@ def _ratio_panel(axes: Any, rows: Sequence[Comparison]) -> None:
     axes.barh(
         positions,
         [s.median for s in spreads],
-        color=[VERDICT_COLORS[verdict(s)] for s in spreads],
+        color=[VERDICT_COLORS[side(s, 1.0)] for s in spreads],
         xerr=[[s.median - s.low for s in spreads], [s.high - s.median for s in spreads]],
         capsize=3,
     )
@@ -95,9 +96,9 @@ def _ratio_panel(axes: Any, rows: Sequence[Comparison]) -> None:
     )
     low, high = 1 - NOISE_MARGIN, 1 + NOISE_MARGIN
     labels = {
-        "faster": f"faster: every round below {low:.2f}",
-        "slower": f"slower: every round above {high:.2f}",
-        "same (within noise)": "same, within noise",
+        Side.BELOW: f"faster: every round below {low:.2f}",
+        Side.ABOVE: f"slower: every round above {high:.2f}",
+        Side.WITHIN_NOISE: f"same, within noise (or under {MIN_ROUNDS} rounds)",
     }
     axes.figure.legend(
         handles=[Patch(color=VERDICT_COLORS[key], label=label) for key, label in labels.items()],

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from tensorhooks.cli._console import format_bytes
 from tensorhooks.cli._models import ModelConfig
+from tensorhooks.cli._verdict import TargetVerdict
 
 from .cuda import OFFLOAD_CONFIG
 from .results import OFFLOAD_PARAMETERS, SAVE_ON_CPU, SYNC, BenchOptions, BenchReport, GpuRow
@@ -30,6 +31,13 @@ def _gpu_table(rows: Sequence[GpuRow], memory: str) -> list[str]:
     return lines
 
 
+_WORDS = {
+    TargetVerdict.MET: "met",
+    TargetVerdict.MISSED: "**missed**",
+    TargetVerdict.NOT_DECIDABLE: "not decidable at this noise",
+}
+
+
 def _cpu_markdown(report: BenchReport) -> list[str]:
     lines = [
         "| mode | torch (x plain) | tensorhooks (x plain) | tensorhooks / torch | targets |",
@@ -41,8 +49,7 @@ def _cpu_markdown(report: BenchReport) -> list[str]:
             for spread in (row.torch, row.ours, row.ours_over_torch)
         ]
         targets = "; ".join(
-            f"{'met' if met else '**missed**'}: {median:.3f}{label} (at most {bound:g})"
-            for label, median, met, bound in row.targets
+            f"{_WORDS[checked.verdict]}: {checked.describe()}" for checked in row.targets
         ) or ("reference (not a feature)" if row.reference else "")
         lines.append(f"| {row.mode} | {' | '.join(cells)} | {targets} |")
     return lines

@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
-from tensorhooks.cli._harness import Spread, Timings
+from tensorhooks.cli._harness import Timings
+from tensorhooks.cli._verdict import Spread, TargetVerdict, target_verdict
 
 __all__ = [
     "OFFLOAD_PARAMETERS",
@@ -14,6 +16,7 @@ __all__ = [
     "SYNC",
     "BenchOptions",
     "BenchReport",
+    "Checked",
     "Comparison",
     "GpuRow",
     "Target",
@@ -41,10 +44,33 @@ class Target:
     at_most: float
     label: str
 
-    def check(self, timings: Timings) -> tuple[float, bool]:
-        """The median ratio and whether it meets the bound."""
-        median = timings.ratio(self.name, self.reference).median
-        return median, median <= self.at_most
+    def check(self, timings: Timings) -> Checked:
+        """The ratio's rounds, and whether they meet the bound (see `target_verdict`)."""
+        spread = timings.ratio(self.name, self.reference)
+        return Checked(self.label, spread, target_verdict(spread, self.at_most), self.at_most)
+
+
+class Checked(NamedTuple):
+    """A target as one run read it."""
+
+    label: str  # what the ratio is over, after the figure: "x torch"
+    spread: Spread  # the ratio's rounds
+    verdict: TargetVerdict
+    at_most: float
+
+    def describe(self) -> str:
+        """The ratio, its rounds and the bound, in the words of the table and the target lines.
+
+        Example:
+            >>> spread = Spread(0.9, 1.0, 1.2)
+            >>> Checked("x torch", spread, TargetVerdict.NOT_DECIDABLE, 1.1).describe()
+            '1.000x torch, rounds 0.900-1.200 (at most 1.1)'
+        """
+        spread = self.spread
+        return (
+            f"{spread.median:.3f}{self.label}, rounds {spread.low:.3f}-{spread.high:.3f} "
+            f"(at most {self.at_most:g})"
+        )
 
 
 @dataclass(frozen=True)
@@ -55,7 +81,7 @@ class Comparison:
     torch: Spread | None  # step time over plain autograd's, per round
     ours: Spread | None
     ours_over_torch: Spread | None
-    targets: tuple[tuple[str, float, bool, float], ...] = ()  # (label, median, met, at most)
+    targets: tuple[Checked, ...] = ()
     reference: bool = False  # a floor measured for comparison, not a feature
 
 
@@ -85,15 +111,10 @@ class BenchReport:
     sync: str = ""  # the two-process setting in words, when it ran
     environment: str = ""
 
-    @property
-    def missed(self) -> list[str]:
-        """The targets missed, in words."""
-        return [
-            f"{row.mode}: {label} {median:.2f}"
-            for row in self.cpu
-            for label, median, met, _ in row.targets
-            if not met
-        ]
+    def tally(self) -> dict[TargetVerdict, int]:
+        """How many targets each verdict has, every verdict listed."""
+        verdicts = [checked.verdict for row in self.cpu for checked in row.targets]
+        return {reading: verdicts.count(reading) for reading in TargetVerdict}
 
 
 def compare(
@@ -106,7 +127,7 @@ def compare(
     plain: str = "plain",
 ) -> Comparison:
     """One row of the table: torch's and ours over ``plain``, ours over torch, the targets."""
-    checked = tuple((target.label, *target.check(timings), target.at_most) for target in targets)
+    checked = tuple(target.check(timings) for target in targets)
     return Comparison(
         mode,
         timings.ratio(theirs, plain),

@@ -13,7 +13,8 @@ from rich.table import Table
 
 from tensorhooks.cli._console import format_bytes, make_console, progress
 from tensorhooks.cli._environment import environment
-from tensorhooks.cli._harness import SKIPPED, TARGET_MET, TARGET_MISSED, Spread
+from tensorhooks.cli._harness import SKIPPED, TARGET_MARKERS
+from tensorhooks.cli._verdict import Spread, TargetVerdict
 
 from .chart import write_chart
 from .cpu import run_cpu
@@ -37,13 +38,33 @@ def _cell(spread: Spread | None) -> str:
     return "-" if spread is None else f"{spread.median:.2f}x\n{spread.low:.2f}-{spread.high:.2f}"
 
 
+_STYLES = {
+    TargetVerdict.MET: "green",
+    TargetVerdict.MISSED: "bold red",
+    TargetVerdict.NOT_DECIDABLE: "yellow",
+}
+
+
 def _target_lines(rows: Sequence[Comparison]) -> list[str]:
+    """A line per target: its marker (see `TARGET_MARKERS`), the feature, the ratio, the bound."""
     return [
-        f"{TARGET_MET if met else f'[bold red]{TARGET_MISSED}[/]'} {row.mode} at {median:.3f}"
-        f"{label} (at most {bound:g})"
+        f"[{_STYLES[checked.verdict]}]{TARGET_MARKERS[checked.verdict]}[/] {row.mode} at "
+        f"{checked.describe()}"
         for row in rows
-        for label, median, met, bound in row.targets
+        for checked in row.targets
     ]
+
+
+def _tally_line(report: BenchReport) -> str:
+    """How many targets were met, missed, and not decidable, and what decides the last."""
+    tally = report.tally()
+    line = ", ".join(f"{count} {reading.value}" for reading, count in tally.items())
+    if tally[TargetVerdict.NOT_DECIDABLE]:
+        line += (
+            "; a target is decided when every round lies clearly on one side of its bound: "
+            "more --rounds or a quieter machine narrow the range"
+        )
+    return f"Targets: {line}."
 
 
 def _cpu_table(rows: Sequence[Comparison]) -> Table:
@@ -129,5 +150,6 @@ def run_bench(options: BenchOptions, stream: TextIO | None = None, width: int | 
     write_chart(report, options.out / CHART_NAME)
     for line in _target_lines(report.cpu):
         console.print(line)
+    console.print(_tally_line(report))
     console.print(f"Wrote {options.out / MARKDOWN_NAME} and {options.out / CHART_NAME}.")
     return 0

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from rich.console import Console
 from rich.table import Table
 
-from tensorhooks.cli._harness import Spread, verdict
+from tensorhooks.cli._verdict import MIN_ROUNDS, NOISE_MARGIN, Spread, verdict
 
 from .case import Row
 
@@ -60,6 +60,7 @@ def show_demo(console: Console, rows: Sequence[Row]) -> None:
         )
     console.print(summary)
     console.print(
-        "step time: tensorhooks over torch, median of the per-round ratios; 'noise' where the "
-        "rounds disagree on which is faster."
+        "step time: tensorhooks over torch, median of the per-round ratios; 'faster' or "
+        f"'slower' only when every round is, by more than {NOISE_MARGIN:.0%}; 'noise' otherwise "
+        f"(always under {MIN_ROUNDS} rounds)."
     )
