@@ -6,6 +6,7 @@ See NOTE [How tensorhooks times things] below.
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TextIO
@@ -81,20 +82,44 @@ class Timings:
         return Spread.of([mine / theirs for mine, theirs in pairs])
 
 
-def cuda_event_seconds(fn: Callable[[], object], inner: int) -> float:
+def _seconds_per_call(fn: Callable[[], object], inner: int, threads: int) -> float:
+    """Seconds per call of ``fn`` over exactly ``inner`` calls on ``threads`` intra-op threads.
+
+    What ``Timer.timeit`` measures, without the two warm-up calls it makes each time: the
+    thread count set and restored, CUDA synchronised before and after when it is in use.
+    """
+    cuda = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]  # untyped in torch
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) / inner
+    finally:
+        torch.set_num_threads(previous)
+
+
+def cuda_event_seconds(fn: Callable[[], object], inner: int, *, warm: bool = True) -> float:
     """Seconds per call of ``fn`` over ``inner`` calls, timed by CUDA events on the current stream.
 
-    One untimed call first (as ``Timer`` warms up); the events then bracket ``inner`` calls, and
-    the host waits for the second one.
+    One untimed call first (as ``Timer`` warms up; not with ``warm=False``); the events then
+    bracket ``inner`` calls, and the host waits for the second one.
 
     Args:
         fn: the step to time; it enqueues work on the current CUDA stream.
         inner: calls between the two events.
+        warm: make one untimed call first.
 
     Returns:
         Device seconds between the events over ``inner``.
     """
-    fn()
+    if warm:
+        fn()
     start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # untyped in torch
     end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     start.record()
@@ -112,6 +137,7 @@ def interleaved(
     inner: int = 10,
     threads: int = 1,
     warmup: int = 0,
+    warm_each_round: bool = True,
     cuda_events: bool = False,
     before_each: Callable[[], object] | None = None,
     progress: Callable[[int], None] | None = None,
@@ -126,11 +152,16 @@ def interleaved(
     Args:
         variants: the callables to time, by name.
         rounds: rounds; each times every variant once, in an order rotating between rounds.
-        inner: calls per variant and round (a warm-up call or two come before them).
+        inner: calls per variant and round (a warm-up call or two come before them, unless
+            ``warm_each_round`` is False).
         threads: intra-op threads while timing with ``Timer`` (1: the project's CPU reference
             setting; ignored with ``cuda_events``).
         warmup: calls of every variant, in order, before the first round (first-call costs:
             allocator, lazy initialisation, autotuning).
+        warm_each_round: warm a variant up before each of its timings (``Timer`` runs it
+            twice, `cuda_event_seconds` once). False times exactly ``inner`` calls per round,
+            ``warmup`` calls having warmed every variant once for all: for a step so long that
+            per-round warm-up would double the cost of a round of one or two calls.
         cuda_events: time with `cuda_event_seconds` instead of ``torch.utils.benchmark.Timer``.
         before_each: called before each variant is timed, e.g. a barrier that lines up the
             processes of a distributed run so that none waits inside another's timing.
@@ -154,9 +185,12 @@ def interleaved(
             if before_each is not None:
                 before_each()
             if cuda_events:
-                samples[name].append(cuda_event_seconds(variants[name], inner))
+                seconds = cuda_event_seconds(variants[name], inner, warm=warm_each_round)
+            elif warm_each_round:
+                seconds = timers[name].timeit(inner).mean
             else:
-                samples[name].append(timers[name].timeit(inner).mean)
+                seconds = _seconds_per_call(variants[name], inner, threads)
+            samples[name].append(seconds)
         if progress is not None:
             progress(index + 1)
     return Timings(samples)

@@ -33,6 +33,23 @@ class TestHarness:
         assert done == [1, 2, 3]
         assert calls["a"] == calls["b"] >= 12
 
+    def test_without_per_round_warm_up_exactly_the_asked_calls(self) -> None:
+        """warm_each_round=False calls each variant warmup + rounds x inner times, no more."""
+        calls = {"a": 0, "b": 0}
+
+        def count(name: str) -> None:
+            calls[name] += 1
+
+        timings = interleaved(
+            {"a": lambda: count("a"), "b": lambda: count("b")},
+            rounds=5,
+            inner=2,
+            warmup=1,
+            warm_each_round=False,
+        )
+        assert calls == {"a": 1 + 5 * 2, "b": 1 + 5 * 2}
+        assert all(seconds > 0 for seconds in timings.samples["a"])
+
     def test_warmup_and_before_each(self) -> None:
         """Warm-up calls run first, in order; before_each runs before every variant's timing."""
         log: list[str] = []

@@ -28,19 +28,41 @@ __all__ = [
     "Row",
     "first_line",
     "gradient_or_error",
+    "time_pair",
 ]
 
 Context = Callable[[], contextlib.AbstractContextManager[Any]]
 
 
+# NOTE [How long the demo times]
+#
+# The demo's case is what each side does; its step times are a second reading, and must not
+# make it a long run on a laptop that is doing other work (the bench is where timing is asked
+# for). Each timed case warms both steps up once, then times 5 interleaved rounds of one step
+# each: 12 steps per case instead of the 40 that 5 rounds of 2 steps cost with `Timer`'s two
+# warm-up calls per round. Five rounds are the fewest whose spread can show a ratio clearly
+# faster or slower (see NOTE [Reading a ratio from its rounds]); one step a round keeps each
+# round short, so that load drifting during a round moves both sides alike. On a CPU the whole
+# demo runs on one intra-op thread, the project's reference setting: its model is small, and a
+# second thread costs more CPU time than it saves wall time.
+
+WARMUP = 1
+"""Untimed steps of each side before a timed case's first round."""
+
+
 @dataclass(frozen=True)
 class DemoConfig:
-    """What the demo runs: the model timed, and how long."""
+    """What the demo runs: the model timed, and how long (see NOTE [How long the demo times])."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     rounds: int = 5
-    steps: int = 2
+    steps: int = 1
     processes: bool = True  # run the two-process sync_gradients case
+
+    @property
+    def timed_steps(self) -> int:
+        """Steps each side of a timed case runs: the warm-up, then every round's."""
+        return WARMUP + self.rounds * self.steps
 
 
 @dataclass(frozen=True)
@@ -135,13 +157,24 @@ class Demo:
 
     def ratio(self, theirs: Callable[[], None], ours: Callable[[], None]) -> Spread:
         """Step time of ``ours`` over ``theirs``, per round."""
-        timings = interleaved(
-            {"torch": theirs, "tensorhooks": ours},
-            rounds=self.config.rounds,
-            inner=self.config.steps,
-            threads=torch.get_num_threads(),
-        )
-        return timings.ratio("tensorhooks", "torch")
+        return time_pair(theirs, ours, self.config)
+
+
+def time_pair(theirs: Callable[[], None], ours: Callable[[], None], config: DemoConfig) -> Spread:
+    """Step time of ``ours`` over ``theirs``, per round: how every timed case is timed.
+
+    See NOTE [How long the demo times]: `WARMUP` steps of each, then ``config.rounds``
+    interleaved rounds of ``config.steps`` steps, on the intra-op threads the caller set.
+    """
+    timings = interleaved(
+        {"torch": theirs, "tensorhooks": ours},
+        rounds=config.rounds,
+        inner=config.steps,
+        threads=torch.get_num_threads(),
+        warmup=WARMUP,
+        warm_each_round=False,
+    )
+    return timings.ratio("tensorhooks", "torch")
 
 
 def first_line(error: BaseException, width: int = 60) -> str:

@@ -9,6 +9,8 @@ import torch
 
 from tensorhooks.cli._arguments import Subcommand, at_least_one
 
+from .case import DemoConfig
+
 __all__ = ["DEMO"]
 
 
@@ -31,9 +33,18 @@ def _device(text: str) -> str:
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rounds", type=at_least_one, default=5, help="timing rounds (default: 5)")
+    defaults = DemoConfig()
     parser.add_argument(
-        "--steps", type=at_least_one, default=2, help="timed steps per round (default: 2)"
+        "--rounds",
+        type=at_least_one,
+        default=defaults.rounds,
+        help=f"timing rounds (default: {defaults.rounds})",
+    )
+    parser.add_argument(
+        "--steps",
+        type=at_least_one,
+        default=defaults.steps,
+        help=f"timed steps per round (default: {defaults.steps})",
     )
     parser.add_argument(
         "--device", type=_device, default=None, help="cpu or cuda (default: cuda when available)"

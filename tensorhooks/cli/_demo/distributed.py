@@ -14,10 +14,9 @@ from pathlib import Path
 import torch
 
 import tensorhooks
-from tensorhooks.cli._harness import interleaved
 from tensorhooks.cli._models import backward, mlp
 
-from .case import Case, Demo, Outcome, Result, first_line
+from .case import Case, Demo, DemoConfig, Outcome, Result, first_line, time_pair
 
 __all__ = ["SYNC_GRADIENTS"]
 
@@ -32,7 +31,7 @@ class _OneUnused(torch.nn.Module):
         return out
 
 
-def _sync_worker(rank: int, directory: str, rounds: int, steps: int) -> None:
+def _sync_worker(rank: int, directory: str, config: DemoConfig) -> None:
     """One of two gloo processes: DDP and sync_gradients on a model with an unused parameter."""
     import torch.distributed as dist  # noqa: PLC0415  # only the worker processes need it
     from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
@@ -75,15 +74,10 @@ def _sync_worker(rank: int, directory: str, rounds: int, steps: int) -> None:
 
         return run
 
-    timings = interleaved(
-        {"torch": step(reference), "tensorhooks": step(synced)}, rounds=rounds, inner=steps
-    )
+    timing = time_pair(step(reference), step(synced), config)
     handle.remove()
     if rank == 0:
-        torch.save(
-            {"outcomes": outcomes, "timing": timings.ratio("tensorhooks", "torch")},
-            Path(directory) / "result.pt",
-        )
+        torch.save({"outcomes": outcomes, "timing": timing}, Path(directory) / "result.pt")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -96,7 +90,7 @@ def _unused_parameter(demo: Demo) -> Result:
     from torch.multiprocessing.spawn import spawn  # noqa: PLC0415  # only this case needs it
 
     with tempfile.TemporaryDirectory() as directory:
-        args = (directory, demo.config.rounds, demo.config.steps)
+        args = (directory, demo.config)
         spawn(_sync_worker, args=args, nprocs=2, join=True)  # type: ignore[no-untyped-call]
         result = torch.load(Path(directory) / "result.pt", weights_only=False)
     outcomes = result["outcomes"]

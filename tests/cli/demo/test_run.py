@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import io
 
-from tensorhooks.cli._demo.case import Case, DemoConfig, Outcome, Result, Row
+from tensorhooks.cli._demo.case import WARMUP, Case, DemoConfig, Outcome, Result, Row
 from tensorhooks.cli._demo.run import demo, run_demo
+from tensorhooks.cli._main import _parser
 
-from .conftest import SMALL
+from .conftest import DEFAULT, SMALL, DemoRun
 
 
 def _outcome(*, good: bool) -> Outcome:
@@ -29,3 +30,18 @@ def test_adding_a_feature_is_one_case() -> None:
     got = run_demo(DemoConfig(SMALL, rounds=1, steps=1), cases=[case])
     assert got == [Row.of(case, extra)]
     assert got[0].feature == "extra"
+
+
+def test_default_demo_times_few_steps(demo_run: DemoRun) -> None:
+    """By default each of the 7 in-process timed cases runs 1 + 5 x 1 steps a side: 84 in all."""
+    assert (DemoConfig.rounds, DemoConfig.steps, WARMUP) == (5, 1, 1)
+    assert DEFAULT.timed_steps == 6
+    timed_cases = sum(row.timing is not None for row in demo_run.rows)
+    assert timed_cases == 7
+    assert demo_run.timed == {"torch": 7 * 6, "tensorhooks": 7 * 6}
+
+
+def test_command_line_defaults_are_the_demos() -> None:
+    """`python -m tensorhooks demo` times with DemoConfig's rounds and steps."""
+    args = _parser().parse_args(["demo"])
+    assert (args.rounds, args.steps) == (DemoConfig.rounds, DemoConfig.steps)
