@@ -12,22 +12,19 @@ from __future__ import annotations
 
 import copy
 import gc
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from tensorhooks.cli._harness import Timings, interleaved
 from tensorhooks.cli._models import mlp
+from tensorhooks.cli._two_processes import WORLD_SIZE, run_on_two_processes
 
 from .results import BenchOptions, Comparison, Target, compare
 
 __all__ = ["SYNC_CONFIG", "SyncConfig", "SyncResult", "measure", "run_sync", "run_two_processes"]
-
-WORLD_SIZE = 2
 
 
 @dataclass(frozen=True)
@@ -113,18 +110,8 @@ def measure(config: SyncConfig, rank: int) -> SyncResult:
     return SyncResult(timings, difference, buckets, gradient_bytes)
 
 
-def _worker(rank: int, directory: str, config: SyncConfig) -> None:
-    """One of the two processes: join the group, measure, rank 0 writes the result."""
-    import torch.distributed as dist  # noqa: PLC0415
-
-    torch.set_num_threads(1)
-    init = f"file://{Path(directory) / 'rendezvous'}"
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD_SIZE)
-    result = measure(config, rank)
-    if rank == 0:
-        torch.save(result, Path(directory) / "result.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+def _rank(rank: int, config: SyncConfig) -> SyncResult:
+    return measure(config, rank)
 
 
 def run_two_processes(config: SyncConfig) -> SyncResult:
@@ -134,12 +121,7 @@ def run_two_processes(config: SyncConfig) -> SyncResult:
         torch.multiprocessing.ProcessRaisedException: when a process raised (its traceback
             is in the message).
     """
-    from torch.multiprocessing.spawn import spawn  # noqa: PLC0415  # only this part needs it
-
-    with tempfile.TemporaryDirectory() as directory:
-        spawn(_worker, args=(directory, config), nprocs=WORLD_SIZE, join=True)  # type: ignore[no-untyped-call]
-        result: SyncResult = torch.load(Path(directory) / "result.pt", weights_only=False)
-    return result
+    return run_on_two_processes(_rank, config)
 
 
 # Smaller than benchmarks/sync_gradients.py's default (6 x Linear(1024, 1024)): the bench's steps

@@ -7,14 +7,14 @@ unused parameter's gradient as None. Each process also times a step of a small M
 from __future__ import annotations
 
 import copy
-import tempfile
 from collections.abc import Callable
-from pathlib import Path
+from typing import Any
 
 import torch
 
 import tensorhooks
 from tensorhooks.cli._models import backward, mlp
+from tensorhooks.cli._two_processes import run_on_two_processes
 
 from .case import Case, Demo, DemoConfig, Outcome, Result, first_line, time_pair
 
@@ -31,14 +31,10 @@ class _OneUnused(torch.nn.Module):
         return out
 
 
-def _sync_worker(rank: int, directory: str, config: DemoConfig) -> None:
+def _sync_worker(rank: int, config: DemoConfig) -> dict[str, Any]:
     """One of two gloo processes: DDP and sync_gradients on a model with an unused parameter."""
-    import torch.distributed as dist  # noqa: PLC0415  # only the worker processes need it
-    from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
+    from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415  # only they need it
 
-    torch.set_num_threads(1)
-    init = f"file://{Path(directory) / 'rendezvous'}"
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     x = torch.full((1, 4), float(rank + 1))
     outcomes: dict[str, Outcome] = {}
     torch.manual_seed(0)
@@ -76,10 +72,7 @@ def _sync_worker(rank: int, directory: str, config: DemoConfig) -> None:
 
     timing = time_pair(step(reference), step(synced), config)
     handle.remove()
-    if rank == 0:
-        torch.save({"outcomes": outcomes, "timing": timing}, Path(directory) / "result.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    return {"outcomes": outcomes, "timing": timing}
 
 
 def _unused_parameter(demo: Demo) -> Result:
@@ -87,12 +80,7 @@ def _unused_parameter(demo: Demo) -> Result:
     if not demo.config.processes:
         skipped = Outcome("not run", "skipped (--no-processes)", good=True)
         return Result(skipped, skipped)
-    from torch.multiprocessing.spawn import spawn  # noqa: PLC0415  # only this case needs it
-
-    with tempfile.TemporaryDirectory() as directory:
-        args = (directory, demo.config)
-        spawn(_sync_worker, args=args, nprocs=2, join=True)  # type: ignore[no-untyped-call]
-        result = torch.load(Path(directory) / "result.pt", weights_only=False)
+    result = run_on_two_processes(_sync_worker, demo.config)
     outcomes = result["outcomes"]
     return Result(
         outcomes["torch"],
