@@ -101,7 +101,7 @@ def _dropped_graph(demo: Demo) -> Result:
         outcomes[0],
         outcomes[1],
         demo.ratio(demo.step(theirs), demo.step(ours)),
-        f"a step under save_on_cpu(pin_memory={pin})",
+        f"tensorhooks / torch, a step under save_on_cpu(pin_memory={pin})",
     )
 
 

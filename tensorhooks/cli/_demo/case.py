@@ -9,6 +9,7 @@ things]).
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,9 +27,9 @@ __all__ = [
     "Outcome",
     "Result",
     "Row",
-    "first_line",
     "gradient_or_error",
     "time_pair",
+    "what_went_wrong",
 ]
 
 Context = Callable[[], contextlib.AbstractContextManager[Any]]
@@ -81,7 +82,7 @@ class Result:
     torch: Outcome
     ours: Outcome
     timing: Spread | None = None  # step time, tensorhooks over the peer, per round
-    timed: str = ""  # what the timing measured
+    timed: str = ""  # which side over which, on what step: "tensorhooks / torch, identity hooks"
 
 
 @dataclass(frozen=True)
@@ -177,10 +178,22 @@ def time_pair(theirs: Callable[[], None], ours: Callable[[], None], config: Demo
     return timings.ratio("tensorhooks", "torch")
 
 
-def first_line(error: BaseException, width: int = 60) -> str:
-    """The error's type and the first line of its message, at most ``width`` characters."""
-    text = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-    return text if len(text) <= width else text[: width - 3] + "..."
+def what_went_wrong(error: BaseException) -> str:
+    r"""The error's type and the first sentence of its message: the part that says what failed.
+
+    Whole words only: the rest of a message (hints, what to do, the list of accepted
+    signatures) is left out, never cut mid-word.
+
+    Example:
+        >>> what_went_wrong(RuntimeError("Expected to have finished reduction. This error ..."))
+        'RuntimeError: Expected to have finished reduction.'
+        >>> what_went_wrong(TypeError("f(): incompatible function arguments.\n  1. (x: str)"))
+        'TypeError: f(): incompatible function arguments.'
+    """
+    lines = str(error).strip().splitlines()
+    first = lines[0] if lines else ""
+    sentence = re.match(r"(.*?[.!?])(?=\s|$)", first)
+    return f"{type(error).__name__}: {sentence.group(1) if sentence else first}"
 
 
 def gradient_or_error(
@@ -200,8 +213,8 @@ def gradient_or_error(
         grad = program()
     except RuntimeError as error:
         if raising_is_right:
-            return Outcome("raises", first_line(error), good=True)
-        return Outcome("refuses", first_line(error, width=93), good=False)  # say what it refuses
+            return Outcome("raises", what_went_wrong(error), good=True)
+        return Outcome("refuses", what_went_wrong(error), good=False)
     if torch.equal(grad, expected):
         return Outcome("right gradient", right, good=True)
     index = int((grad != expected).flatten().nonzero()[0])

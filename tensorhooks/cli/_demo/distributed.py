@@ -16,7 +16,7 @@ import tensorhooks
 from tensorhooks.cli._models import backward, mlp
 from tensorhooks.cli._two_processes import run_on_two_processes
 
-from .case import Case, Demo, DemoConfig, Outcome, Result, first_line, time_pair
+from .case import Case, Demo, DemoConfig, Outcome, Result, time_pair, what_went_wrong
 
 __all__ = ["SYNC_GRADIENTS"]
 
@@ -44,7 +44,7 @@ def _sync_worker(rank: int, config: DemoConfig) -> dict[str, Any]:
             backward(ddp(x).sum())
         outcomes["torch"] = Outcome("trains", "no error", good=True)
     except RuntimeError as error:
-        outcomes["torch"] = Outcome("raises at step 2", first_line(error), good=False)
+        outcomes["torch"] = Outcome("raises at step 2", what_went_wrong(error), good=False)
     torch.manual_seed(0)
     ours = _OneUnused()
     handle = tensorhooks.distributed.sync_gradients(ours)
@@ -86,7 +86,7 @@ def _unused_parameter(demo: Demo) -> Result:
         outcomes["torch"],
         outcomes["ours"],
         result["timing"],
-        "a step of 4 x Linear(256, 256), against DDP",
+        "sync_gradients / DDP, a step of 4 x Linear(256, 256)",
     )
 
 

@@ -24,7 +24,7 @@ from tensorhooks.cli._console import format_bytes
 from tensorhooks.cli._harness import Spread
 from tensorhooks.cli._models import backward
 
-from .case import Case, Demo, Outcome, Result, first_line, gradient_or_error
+from .case import Case, Demo, Outcome, Result, gradient_or_error, what_went_wrong
 
 __all__ = [
     "DISABLE_SAVED_TENSORS_HOOKS",
@@ -69,7 +69,7 @@ def _saved_tensors_hooks(demo: Demo) -> Result:
             partial(_identity_pack_then_write, tensorhooks.saved_tensors_hooks), expected
         ),
         demo.ratio(demo.step(torch_identity), demo.step(identity)),
-        "identity hooks",
+        "tensorhooks / torch, identity hooks",
     )
 
 
@@ -93,7 +93,7 @@ def _enter_with_bad_message(
             pass
     except TypeError as error:
         named = "got 123" in str(error)
-        detail = first_line(error)
+        detail = what_went_wrong(error)
         return Outcome("names the argument" if named else "pybind error", detail, good=named)
     return Outcome("accepted", "a message that is not a string was accepted", good=False)
 
@@ -108,7 +108,7 @@ def _disable_saved_tensors_hooks(demo: Demo) -> Result:
             demo.step(partial(torch_graph.disable_saved_tensors_hooks, message)),
             demo.step(partial(tensorhooks.disable_saved_tensors_hooks, message)),
         ),
-        "a step inside the region",
+        "tensorhooks / torch, a step inside the region",
     )
 
 
@@ -179,7 +179,8 @@ def _calls_under_threads(
     detail = f"{len(calls)} of {total} calls, {calls.count(True)} of {full} with every gradient"
     if len(calls) == total and calls.count(True) == full:
         return Outcome("every call", detail, good=True)
-    return Outcome(f"lost {total - len(calls)} calls", detail, good=False)
+    lost = total - len(calls)
+    return Outcome(f"lost {lost} call{'' if lost == 1 else 's'}", detail, good=False)
 
 
 def _hooked_step_ratio(demo: Demo) -> Spread:
@@ -210,7 +211,7 @@ def _failed_backward(demo: Demo) -> Result:
         _kept_after_failed_backward(torch_graph.register_multi_grad_hook),
         _kept_after_failed_backward(tensorhooks.register_multi_grad_hook),
         _hooked_step_ratio(demo),
-        "a step with one hook per block",
+        "tensorhooks / torch, a step with one hook per block",
     )
 
 

@@ -40,7 +40,7 @@ def _write_through_view(demo: Demo) -> Result:
             demo.step(torch_graph.allow_mutation_on_saved_tensors, inplace=True),
             demo.step(tensorhooks.allow_mutation_on_saved_tensors, inplace=True),
         ),
-        "a step with in-place residual adds",
+        "tensorhooks / torch, a step with in-place residual adds",
     )
 
 

@@ -54,8 +54,8 @@ def _streamed(model: nn.Module) -> list[nn.Parameter]:
     return [param for param in model.parameters() if id(param) not in own]
 
 
-def _device_bytes(params: list[nn.Parameter], host: set[int]) -> int:
-    """Bytes of ``params`` whose data is not their host copy (a device copy)."""
+def _copied_bytes(params: list[nn.Parameter], host: set[int]) -> int:
+    """Bytes of ``params`` whose data is not their host tensor: the copies a block runs on."""
     return sum(p.nbytes for p in params if p.untyped_storage().data_ptr() not in host)
 
 
@@ -65,10 +65,10 @@ def _grad_on_the_host(
     """torch.autograd.grad through the offloaded model; where its parameters are, and when."""
     params = _streamed(model)
     host = {param.untyped_storage().data_ptr() for param in params}
-    copied: list[bool] = []  # per block run: were its parameters device copies while it ran?
+    copied: list[bool] = []  # per block run: did it run on copies of its parameters?
 
     def running(module: nn.Module, args: Any) -> None:
-        copied.append(_device_bytes(list(module.parameters()), host) > 0)
+        copied.append(_copied_bytes(list(module.parameters()), host) > 0)
 
     hooks = [block.register_forward_pre_hook(running) for block in handle.blocks]
     try:
@@ -78,12 +78,17 @@ def _grad_on_the_host(
             hook.remove()
     expected = torch.autograd.grad(demo.model(*demo.batch), _streamed(demo.model))
     right = all(torch.allclose(g, e, atol=1e-6) for g, e in zip(grads, expected, strict=True))
-    kept = _device_bytes(params, host)
+    kept = _copied_bytes(params, host)
+    total = format_bytes(sum(p.nbytes for p in params))
+    if demo.cuda:
+        where = "device copies"
+        after = f"{format_bytes(kept)} of {total} of parameters stay on the device"
+    else:  # no device: the copies are made within host memory (see _HostTransfer)
+        where = "fresh copies of their parameters (no device here: made in host memory)"
+        after = f"{format_bytes(kept)} of {total} of parameters are left as copies"
     detail = (
         f"torch.autograd.grad gives {'the' if right else 'a WRONG'} gradient; "
-        f"{copied.count(True)} of {len(copied)} blocks ran on device copies; after it "
-        f"{format_bytes(kept)} of {format_bytes(sum(p.nbytes for p in params))} of parameters "
-        "stay on the device"
+        f"{copied.count(True)} of {len(copied)} blocks ran on {where}; after it {after}"
     )
     good = right and kept == 0 and all(copied)
     return Outcome("on the host" if kept == 0 else "kept", detail, good=good)
@@ -104,20 +109,21 @@ def _streamed_blocks(demo: Demo) -> Result:
     finally:
         handle.remove()
     resident = format_bytes(sum(p.nbytes for p in _streamed(demo.model)))
+    where = "on the device" if demo.cuda else "resident"
     theirs = Outcome(
         "no counterpart",
         "fairscale's OffloadModel (not installed here) refuses torch.autograd.grad (reentrant "
-        f"backward); without offload all {resident} stay on the device",
+        f"backward); without offload all {resident} of parameters stay {where}",
         good=True,
     )
-    transfer = "CUDA side streams" if demo.cuda else "synchronous copies on the host"
-    return Result(theirs, outcome, timing, f"every block streamed ({transfer}), against no offload")
+    transfer = "CUDA side streams" if demo.cuda else "synchronous copies in host memory"
+    return Result(theirs, outcome, timing, f"every block streamed ({transfer}) / no offload")
 
 
 OFFLOAD_PARAMETERS = Case(
     "offload_parameters",
     "fairscale / FSDP2 offload",
-    "each block's parameters visit the device only while it runs; torch.autograd.grad over all "
-    "of them",
+    "each block's parameters stay in host memory and are copied in only while the block runs; "
+    "torch.autograd.grad over all of them",
     _streamed_blocks,
 )

@@ -33,7 +33,7 @@ def show_demo(console: Console, rows: Sequence[Row]) -> None:
         console.rule(f"[bold]{row.feature}", align="left")
         console.print(row.situation)
         table = Table(show_header=True, expand=True, box=None, padding=(0, 1))
-        table.add_column("torch.autograd.graph", ratio=1)
+        table.add_column(row.peer, ratio=1)
         table.add_column("tensorhooks", ratio=1)
         table.add_row(
             f"{_mark(row.torch.good)}{row.torch.result}[/]: {row.torch.detail}",
@@ -41,10 +41,7 @@ def show_demo(console: Console, rows: Sequence[Row]) -> None:
         )
         console.print(table)
         if row.timing is not None:
-            console.print(
-                f"step time, tensorhooks / torch ({row.timed}): {row.timing.format()}, "
-                f"{verdict(row.timing)}"
-            )
+            console.print(f"step time, {row.timed}: {row.timing.format()}, {verdict(row.timing)}")
     console.print()
     summary = Table(title="Summary: what each did", title_justify="left")
     summary.add_column("feature", no_wrap=True)
@@ -60,7 +57,7 @@ def show_demo(console: Console, rows: Sequence[Row]) -> None:
         )
     console.print(summary)
     console.print(
-        "step time: tensorhooks over torch, median of the per-round ratios; 'faster' or "
-        f"'slower' only when every round is, by more than {NOISE_MARGIN:.0%}; 'noise' otherwise "
-        f"(always under {MIN_ROUNDS} rounds)."
+        "step time: tensorhooks over its peer (offload_parameters: over no offload), median of "
+        f"the per-round ratios; 'faster' or 'slower' only when every round is, by more than "
+        f"{NOISE_MARGIN:.0%}; 'noise' otherwise (always under {MIN_ROUNDS} rounds)."
     )

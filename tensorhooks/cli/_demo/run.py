@@ -16,7 +16,13 @@ from .case import Case, Demo, DemoConfig, Row
 from .cases import CASES
 from .render import show_demo
 
-__all__ = ["demo", "run_demo"]
+__all__ = ["DIFFERENCES", "demo", "run_demo"]
+
+DIFFERENCES = (
+    "Every difference from torch, with its reason and a reproducer: docs/differences.md "
+    '("Differences from torch" in the documentation).'
+)
+"""The demo's last line: where the differences are listed."""
 
 
 def run_demo(
@@ -97,6 +103,7 @@ def demo(
         console.print(
             f"[bold red]tensorhooks got a case wrong:[/] {', '.join(wrong)} ({elapsed:.0f}s)"
         )
-        return 1
-    console.print(f"tensorhooks did right on every case ({elapsed:.0f}s).")
-    return 0
+    else:
+        console.print(f"tensorhooks did right on every case ({elapsed:.0f}s).")
+    console.print(DIFFERENCES)
+    return 1 if wrong else 0

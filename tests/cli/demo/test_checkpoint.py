@@ -15,6 +15,10 @@ def test_checkpoint_rows(rows: list[Row]) -> None:
     assert write.timing is not None
     assert grad.torch.result == "refuses", grad
     assert "use_reentrant=True" in grad.torch.detail
+    assert grad.torch.detail == (
+        "RuntimeError: When use_reentrant=True, torch.utils.checkpoint is incompatible with "
+        ".grad() or passing an `inputs` parameter to .backward()."
+    )
     assert not grad.torch.good
     assert grad.ours.result == "right gradient", grad
     assert offload.torch.result == "recomputes", offload

@@ -13,6 +13,24 @@ def test_identity_pack_then_write(rows: list[Row]) -> None:
     assert row.torch.result == "WRONG gradient", row
     assert row.ours.good, row
     assert row.ours.result == "raises"
+    assert row.ours.detail == (
+        "SavedTensorModifiedError: one of the variables needed for gradient computation has "
+        "been modified by an inplace operation: [torch.FloatTensor [3]] is at version 1; "
+        "expected version 0 instead."
+    )
+
+
+def test_bad_message_errors_say_what_went_wrong(rows: list[Row]) -> None:
+    """Both errors for a message that is not a string are shown up to the end of a sentence."""
+    (row,) = rows_of(rows, "disable_saved_tensors_hooks")
+    assert (
+        row.torch.detail
+        == "TypeError: _saved_tensors_hooks_disable(): incompatible function arguments."
+    )
+    assert row.ours.detail == (
+        "HookArgumentTypeError: disable_saved_tensors_hooks: error_message must be a str, got "
+        "123 of type int"
+    )
 
 
 def test_state_left_behind_by_multi_grad_hooks(rows: list[Row]) -> None:
