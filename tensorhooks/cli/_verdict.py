@@ -26,9 +26,10 @@ __all__ = [
 
 # NOTE [Reading a ratio from its rounds]
 #
-# A comparison is timed in rounds; each round gives one ratio (see NOTE [How tensorhooks times
-# things]). Whether the ratio lies below or above a threshold (1.00 for "faster or slower", the
-# bound for a target) is decided from the lowest and highest round, with a margin:
+# A comparison is timed in rounds; each round gives one ratio (see
+# NOTE [How tensorhooks times things]). Whether the ratio lies below or above a threshold (1.00
+# for "faster or slower", the bound for a target) is decided from the lowest and highest round,
+# with a margin:
 #
 # - below, when every round lies below the threshold by more than NOISE_MARGIN of it;
 # - above, when every round lies above it by more than the margin;

@@ -2,8 +2,9 @@
 
 Forward + backward of 50 x Linear(64, 64) + ReLU, batch 8 (also under tensorhooks' and torch's
 non-reentrant checkpoint, one region per layer), and of a tiny Llama/Mixtral-style transformer
-(`TinyLlama`), every variant timed in the same interleaved rounds (see NOTE [How tensorhooks times
-things]); each row a ratio over plain autograd and over torch, with the design's targets.
+(`TinyLlama`), every variant timed in the same interleaved rounds (see
+NOTE [How tensorhooks times things]); each row a ratio over plain autograd and over torch,
+with the design's targets.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The CUDA part of the bench: a transformer stack under save_on_cpu and offload_parameters.
 
-Step time and peak memory of each mode, timed in interleaved rounds (see NOTE [How tensorhooks
-times things]). Both run on any device (the tests run them on CPU, where peak memory reads 0).
+Step time and peak memory of each mode, timed in interleaved rounds (see
+NOTE [How tensorhooks times things]). Both run on any device (the tests run them on CPU, where
+peak memory reads 0).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Each case runs the peer's implementation (torch's, or DDP, or torch.utils.checkpoint) and
 tensorhooks' on one situation where they differ, says what each did as an `Outcome`, and may
-time a training step of the shared tiny transformer under both (see NOTE [How tensorhooks times
-things]).
+time a training step of the shared tiny transformer under both (see
+NOTE [How tensorhooks times things] and NOTE [How long the demo times]).
 """
 
 from __future__ import annotations
