@@ -40,7 +40,8 @@ __all__ = [
 # bound. With one or two rounds there is no spread to judge the noise by. The rule is the same
 # for every threshold, so the demo, the bench's table and chart, and a target line never
 # contradict each other: a target that is "not decidable" is one whose rounds do not lie clearly
-# on one side of its bound, and more rounds (or a quieter machine) are what can decide it.
+# on one side of its bound. Longer rounds (more steps each) or a quieter machine can decide it;
+# more rounds alone cannot, as the lowest and highest of more rounds lie further apart.
 
 NOISE_MARGIN = 0.05
 """How far past a threshold, relative to it, every round must lie to count as on that side."""

@@ -62,7 +62,7 @@ def _tally_line(report: BenchReport) -> str:
     if tally[TargetVerdict.NOT_DECIDABLE]:
         line += (
             "; a target is decided when every round lies clearly on one side of its bound: "
-            "more --rounds or a quieter machine narrow the range"
+            "more --steps per round or a quieter machine narrow the range"
         )
     return f"Targets: {line}."
 
