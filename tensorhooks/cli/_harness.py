@@ -6,6 +6,7 @@ See NOTE [How tensorhooks times things] below.
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TextIO
@@ -13,7 +14,14 @@ from typing import TextIO
 import torch
 from torch.utils.benchmark import Timer
 
+from tensorhooks.cli._verdict import Spread, TargetVerdict, target_verdict, verdict
+
 __all__ = [
+    "SKIPPED",
+    "TARGET_MARKERS",
+    "TARGET_MET",
+    "TARGET_MISSED",
+    "TARGET_NOT_DECIDABLE",
     "Spread",
     "Timings",
     "check_target",
@@ -31,7 +39,9 @@ __all__ = [
 # variant once, in an order that rotates from round to round, with `torch.utils.benchmark.Timer`
 # (which warms the statement up, pins the number of intra-op threads, and synchronises CUDA).
 # A comparison is the per-round ratio of two variants, reported as its median with the lowest
-# and highest round beside it; a ratio whose range includes 1.00 is noise, never a win.
+# and highest round beside it, and read by one rule (see NOTE [Reading a ratio from its rounds]
+# in `tensorhooks.cli._verdict`): a ratio whose rounds do not all lie clearly on one side of 1.00
+# is noise, never a win.
 #
 # On a GPU the same rounds can be timed with CUDA events instead (`cuda_event_seconds`): the
 # device time between two events on the current stream, host-side gaps included. Every
@@ -43,54 +53,13 @@ __all__ = [
 SKIPPED = "skipped:"
 TARGET_MET = "target met:"
 TARGET_MISSED = "TARGET MISSED:"
-
-
-@dataclass(frozen=True)
-class Spread:
-    """The lowest, median and highest of a set of rounds.
-
-    Example:
-        >>> Spread.of([1.0, 3.0, 2.0]).format()
-        '2.00x (1.00-3.00)'
-    """
-
-    low: float
-    median: float
-    high: float
-
-    @classmethod
-    def of(cls, values: Sequence[float]) -> Spread:
-        """The spread of ``values`` (at least one)."""
-        return cls(min(values), statistics.median(values), max(values))
-
-    def format(self, unit: str = "x", scale: float = 1.0, digits: int = 2) -> str:
-        """``median (low-high)`` with ``unit`` after the median."""
-        low, median, high = (scale * value for value in (self.low, self.median, self.high))
-        return f"{median:.{digits}f}{unit} ({low:.{digits}f}-{high:.{digits}f})"
-
-
-NOISE_MARGIN = 0.05
-"""How far past 1.00 the whole range of a ratio must lie to read as faster or slower."""
-
-
-def verdict(ratio: Spread) -> str:
-    """How to read a ratio of step times (this over a reference): faster, slower, or noise.
-
-    Example:
-        >>> verdict(Spread(0.90, 0.96, 1.02))
-        'same (within noise)'
-        >>> verdict(Spread(0.93, 0.95, 0.97))
-        'same (within noise)'
-        >>> verdict(Spread(0.55, 0.60, 0.66))
-        'faster'
-    """
-    # A margin beyond the range: with a few rounds on a loaded machine, every round of a variant
-    # timed against itself can land on one side of 1.00 by chance.
-    if ratio.high < 1.0 - NOISE_MARGIN:
-        return "faster"
-    if ratio.low > 1.0 + NOISE_MARGIN:
-        return "slower"
-    return "same (within noise)"
+TARGET_NOT_DECIDABLE = "target not decidable:"
+TARGET_MARKERS = {
+    TargetVerdict.MET: TARGET_MET,
+    TargetVerdict.MISSED: TARGET_MISSED,
+    TargetVerdict.NOT_DECIDABLE: TARGET_NOT_DECIDABLE,
+}
+"""The marker that starts a target's line, by its verdict."""
 
 
 @dataclass(frozen=True)
@@ -113,20 +82,44 @@ class Timings:
         return Spread.of([mine / theirs for mine, theirs in pairs])
 
 
-def cuda_event_seconds(fn: Callable[[], object], inner: int) -> float:
+def _seconds_per_call(fn: Callable[[], object], inner: int, threads: int) -> float:
+    """Seconds per call of ``fn`` over exactly ``inner`` calls on ``threads`` intra-op threads.
+
+    What ``Timer.timeit`` measures, without the two warm-up calls it makes each time: the
+    thread count set and restored, CUDA synchronised before and after when it is in use.
+    """
+    cuda = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]  # untyped in torch
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) / inner
+    finally:
+        torch.set_num_threads(previous)
+
+
+def cuda_event_seconds(fn: Callable[[], object], inner: int, *, warm: bool = True) -> float:
     """Seconds per call of ``fn`` over ``inner`` calls, timed by CUDA events on the current stream.
 
-    One untimed call first (as ``Timer`` warms up); the events then bracket ``inner`` calls, and
-    the host waits for the second one.
+    One untimed call first (as ``Timer`` warms up; not with ``warm=False``); the events then
+    bracket ``inner`` calls, and the host waits for the second one.
 
     Args:
         fn: the step to time; it enqueues work on the current CUDA stream.
         inner: calls between the two events.
+        warm: make one untimed call first.
 
     Returns:
         Device seconds between the events over ``inner``.
     """
-    fn()
+    if warm:
+        fn()
     start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # untyped in torch
     end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     start.record()
@@ -144,6 +137,7 @@ def interleaved(
     inner: int = 10,
     threads: int = 1,
     warmup: int = 0,
+    warm_each_round: bool = True,
     cuda_events: bool = False,
     before_each: Callable[[], object] | None = None,
     progress: Callable[[int], None] | None = None,
@@ -158,11 +152,16 @@ def interleaved(
     Args:
         variants: the callables to time, by name.
         rounds: rounds; each times every variant once, in an order rotating between rounds.
-        inner: calls per variant and round (a warm-up call or two come before them).
+        inner: calls per variant and round (a warm-up call or two come before them, unless
+            ``warm_each_round`` is False).
         threads: intra-op threads while timing with ``Timer`` (1: the project's CPU reference
             setting; ignored with ``cuda_events``).
         warmup: calls of every variant, in order, before the first round (first-call costs:
             allocator, lazy initialisation, autotuning).
+        warm_each_round: warm a variant up before each of its timings (``Timer`` runs it
+            twice, `cuda_event_seconds` once). False times exactly ``inner`` calls per round,
+            ``warmup`` calls having warmed every variant once for all: for a step so long that
+            per-round warm-up would double the cost of a round of one or two calls.
         cuda_events: time with `cuda_event_seconds` instead of ``torch.utils.benchmark.Timer``.
         before_each: called before each variant is timed, e.g. a barrier that lines up the
             processes of a distributed run so that none waits inside another's timing.
@@ -186,9 +185,12 @@ def interleaved(
             if before_each is not None:
                 before_each()
             if cuda_events:
-                samples[name].append(cuda_event_seconds(variants[name], inner))
+                seconds = cuda_event_seconds(variants[name], inner, warm=warm_each_round)
+            elif warm_each_round:
+                seconds = timers[name].timeit(inner).mean
             else:
-                samples[name].append(timers[name].timeit(inner).mean)
+                seconds = _seconds_per_call(variants[name], inner, threads)
+            samples[name].append(seconds)
         if progress is not None:
             progress(index + 1)
     return Timings(samples)
@@ -225,20 +227,43 @@ def print_table(title: str, timings: Timings, baseline: str, *, file: TextIO | N
 
 
 def check_target(
-    label: str, value: float, *, at_most: float | None = None, at_least: float | None = None
+    label: str,
+    value: Spread | float,
+    *,
+    at_most: float | None = None,
+    at_least: float | None = None,
 ) -> bool:
-    """Print whether ``value`` meets its target, in words a reader and the bench both see.
+    """Print whether ``value`` meets its target, read by `target_verdict`; True when it is met.
+
+    A ``value`` that is one number is read as a spread written down (its one value as its
+    range); give the rounds' `Spread` wherever there are rounds.
 
     Example:
         >>> check_target("speedup over torch", 1.5, at_least=1.6)
         TARGET MISSED: speedup over torch 1.50 (target >= 1.60)
         False
+        >>> check_target("step, tensorhooks / torch", Spread(0.97, 1.04, 1.15, 11), at_most=1.10)
+        target not decidable: step, tensorhooks / torch 1.04x (0.97-1.15) (target <= 1.10)
+        False
+
+    Args:
+        label: what the value is, in words.
+        value: the ratio's rounds, or one figure.
+        at_most: the target is at most this (give this or ``at_least``).
+        at_least: the target is at least this.
+
+    Returns:
+        Whether the target is met; missed and not decidable both give False.
     """
-    bound = f"<= {at_most:.2f}" if at_most is not None else f">= {at_least:.2f}"
-    met = (at_most is None or value <= at_most) and (at_least is None or value >= at_least)
-    marker = TARGET_MET if met else TARGET_MISSED
-    print(f"{marker} {label} {value:.2f} (target {bound})")
-    return met
+    spread = value if isinstance(value, Spread) else Spread(value, value, value)
+    shown = spread.format() if isinstance(value, Spread) else f"{value:.2f}"
+    if at_most is not None:
+        reading, bound = target_verdict(spread, at_most), f"<= {at_most:.2f}"
+    else:
+        assert at_least is not None, "check_target needs at_most or at_least"
+        reading, bound = target_verdict(spread, at_least, at_least=True), f">= {at_least:.2f}"
+    print(f"{TARGET_MARKERS[reading]} {label} {shown} (target {bound})")
+    return reading is TargetVerdict.MET
 
 
 def skip(reason: str) -> None:

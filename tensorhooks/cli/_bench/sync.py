@@ -1,7 +1,7 @@
-"""sync_gradients against DistributedDataParallel on two local gloo processes, defined once.
+"""The bench's sync_gradients part: against DistributedDataParallel on two local gloo processes.
 
-The bench (``python -m tensorhooks bench``) and ``benchmarks/sync_gradients.py`` both run
-`run_two_processes`: two processes on this machine, one intra-op thread each, train the same MLP
+The bench (``python -m tensorhooks bench``, `run_sync`) and ``benchmarks/sync_gradients.py`` both
+run `run_two_processes`: two processes on this machine, one intra-op thread each, train the same MLP
 (forward + backward + ``p.grad = None`` per step) wrapped in DDP, under ``sync_gradients``, and
 without any synchronisation (how much of the step is communication), timed in interleaved rounds
 by the one harness (see NOTE [How tensorhooks times things]), a barrier before each variant so
@@ -12,20 +12,19 @@ from __future__ import annotations
 
 import copy
 import gc
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from ._harness import Timings, interleaved
-from ._models import mlp
+from tensorhooks.cli._harness import Timings, interleaved
+from tensorhooks.cli._models import mlp
+from tensorhooks.cli._two_processes import WORLD_SIZE, run_on_two_processes
 
-__all__ = ["SyncConfig", "SyncResult", "measure", "run_two_processes"]
+from .results import BenchOptions, Comparison, Target, compare
 
-WORLD_SIZE = 2
+__all__ = ["SYNC_CONFIG", "SyncConfig", "SyncResult", "measure", "run_sync", "run_two_processes"]
 
 
 @dataclass(frozen=True)
@@ -111,18 +110,8 @@ def measure(config: SyncConfig, rank: int) -> SyncResult:
     return SyncResult(timings, difference, buckets, gradient_bytes)
 
 
-def _worker(rank: int, directory: str, config: SyncConfig) -> None:
-    """One of the two processes: join the group, measure, rank 0 writes the result."""
-    import torch.distributed as dist  # noqa: PLC0415
-
-    torch.set_num_threads(1)
-    init = f"file://{Path(directory) / 'rendezvous'}"
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD_SIZE)
-    result = measure(config, rank)
-    if rank == 0:
-        torch.save(result, Path(directory) / "result.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+def _rank(rank: int, config: SyncConfig) -> SyncResult:
+    return measure(config, rank)
 
 
 def run_two_processes(config: SyncConfig) -> SyncResult:
@@ -132,9 +121,36 @@ def run_two_processes(config: SyncConfig) -> SyncResult:
         torch.multiprocessing.ProcessRaisedException: when a process raised (its traceback
             is in the message).
     """
-    from torch.multiprocessing.spawn import spawn  # noqa: PLC0415  # only this part needs it
+    return run_on_two_processes(_rank, config)
 
-    with tempfile.TemporaryDirectory() as directory:
-        spawn(_worker, args=(directory, config), nprocs=WORLD_SIZE, join=True)  # type: ignore[no-untyped-call]
-        result: SyncResult = torch.load(Path(directory) / "result.pt", weights_only=False)
-    return result
+
+# Smaller than benchmarks/sync_gradients.py's default (6 x Linear(1024, 1024)): the bench's steps
+# per round apply here too, and the whole bench should take about a minute on two cores.
+SYNC_CONFIG = SyncConfig(layers=4, width=512, batch=32)
+
+
+def run_sync(options: BenchOptions, config: SyncConfig = SYNC_CONFIG) -> tuple[Comparison, str]:
+    """sync_gradients against DDP on two gloo processes: the table's row, the setting in words.
+
+    Both over the same step without synchronisation, which stands for plain autograd here.
+    """
+    config = SyncConfig(
+        layers=config.layers,
+        width=config.width,
+        batch=config.batch,
+        bucket_cap_mb=config.bucket_cap_mb,
+        rounds=options.rounds,
+        inner=options.steps,
+        warmup=config.warmup,
+    )
+    result = run_two_processes(config)
+    target = Target("sync_gradients", "DDP", 1.10, "x DDP")
+    row = compare(
+        result.timings,
+        "sync_gradients vs DDP (2 processes)",
+        "DDP",
+        "sync_gradients",
+        (target,),
+        plain="no sync (local)",
+    )
+    return row, result.describe(config)
