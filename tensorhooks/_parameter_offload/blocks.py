@@ -14,23 +14,10 @@ from tensorhooks._core.errors import (
     ParameterOffloadValueError,
 )
 
-from .slots import Slot
+from .slots import Block, Slot
 from .transfers import CudaTransfer, ParameterTransfer
 
-__all__ = ["Block", "build_blocks", "check_on_host", "resolve_transfer"]
-
-
-class Block:
-    """A module whose slots move together, and who holds it on the device now."""
-
-    __slots__ = ("index", "module", "owners", "slot_ids", "slots")
-
-    def __init__(self, index: int, module: nn.Module, slots: list[Slot]) -> None:
-        self.index = index
-        self.module = module
-        self.slots = slots
-        self.slot_ids = frozenset(id(s) for s in slots)
-        self.owners: dict[object, int] = {}
+__all__ = ["build_blocks", "check_on_host", "resolve_transfer"]
 
 
 def _default_blocks(module: nn.Module) -> list[nn.Module]:

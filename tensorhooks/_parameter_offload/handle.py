@@ -18,7 +18,8 @@ from torch.utils.hooks import RemovableHandle
 from tensorhooks._core.errors import ParameterOffloadValueError
 from tensorhooks._core.late_grads import LateGrads
 
-from .blocks import Block, build_blocks, check_on_host, resolve_transfer
+from .blocks import build_blocks, check_on_host, resolve_transfer
+from .slots import Block
 from .streaming import Streamer
 from .transfers import ParameterTransfer
 

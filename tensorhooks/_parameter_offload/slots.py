@@ -1,4 +1,6 @@
-"""One streamed parameter or buffer: where its value is, and how a change made by the user is seen.
+"""A streamed parameter or buffer (a slot) and the block that moves it: their records.
+
+A slot: where its value is, and how a change made by the user is seen.
 
 See NOTE [The value of a slot, and changes made under it].
 """
@@ -16,9 +18,7 @@ if TYPE_CHECKING:
     from torch.autograd.graph import Node
     from torch.utils.hooks import RemovableHandle
 
-    from .blocks import Block
-
-__all__ = ["Slot", "accumulate", "signature"]
+__all__ = ["Block", "Slot", "accumulate", "signature"]
 
 # NOTE [The value of a slot, and changes made under it]
 #
@@ -231,3 +231,16 @@ def _host_grad(grad: torch.Tensor, transfer: ParameterTransfer) -> torch.Tensor:
     if grad.layout != torch.strided:  # sparse: no strided buffer to pin; a plain host copy
         return grad.detach().to("cpu", copy=True)
     return transfer.host_copy(grad)
+
+
+class Block:
+    """A module whose slots move together, and who holds it on the device now."""
+
+    __slots__ = ("index", "module", "owners", "slot_ids", "slots")
+
+    def __init__(self, index: int, module: nn.Module, slots: list[Slot]) -> None:
+        self.index = index
+        self.module = module
+        self.slots = slots
+        self.slot_ids = frozenset(id(s) for s in slots)
+        self.owners: dict[object, int] = {}

@@ -32,8 +32,7 @@ from tensorhooks._core.torch_compat import (
 )
 from tensorhooks._hooks import saved_tensors_hooks
 
-from .blocks import Block
-from .slots import Slot, accumulate
+from .slots import Block, Slot, accumulate
 from .transfers import ParameterTransfer
 
 __all__ = ["Streamer"]
