@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from .activation_offload import SAVE_ON_CPU
 from .case import Case
-from .checkpoint import CHECKPOINT_GRAD, CHECKPOINT_OFFLOAD_POLICY, CHECKPOINT_WRITE
+from .checkpoint import (
+    CHECKPOINT_GRAD,
+    CHECKPOINT_OFFLOAD_POLICY,
+    CHECKPOINT_STATE,
+    CHECKPOINT_WRITE,
+)
 from .distributed import SYNC_GRADIENTS
 from .hooks import (
     DISABLE_SAVED_TENSORS_HOOKS,
@@ -26,6 +31,7 @@ CASES: tuple[Case, ...] = (
     MULTI_GRAD_HOOK_THREADS,
     SYNC_GRADIENTS,
     CHECKPOINT_WRITE,
+    CHECKPOINT_STATE,
     CHECKPOINT_GRAD,
     CHECKPOINT_OFFLOAD_POLICY,
     OFFLOAD_PARAMETERS,

@@ -1,6 +1,7 @@
 """The checkpoint cases, against ``torch.utils.checkpoint``.
 
-A write inside a checkpointed region; ``torch.autograd.grad`` through a checkpoint (refused by the
+A write inside a checkpointed region; state the region writes (``spectral_norm``);
+``torch.autograd.grad`` through a checkpoint (refused by the
 reentrant checkpoints of torch, DeepSpeed and fairscale); a selective policy that asks to offload
 matmuls, in eager mode.
 """
@@ -25,7 +26,7 @@ from tensorhooks.cli._models import TinyTransformer, backward
 
 from .case import Case, Demo, Outcome, Result, gradient_or_error
 
-__all__ = ["CHECKPOINT_GRAD", "CHECKPOINT_OFFLOAD_POLICY", "CHECKPOINT_WRITE"]
+__all__ = ["CHECKPOINT_GRAD", "CHECKPOINT_OFFLOAD_POLICY", "CHECKPOINT_STATE", "CHECKPOINT_WRITE"]
 
 PEER = "torch.utils.checkpoint"
 
@@ -95,6 +96,40 @@ CHECKPOINT_WRITE = Case(
     PEER,
     "use_reentrant=False; the region saves b, then changes b in place",
     _write,
+)
+
+# ---------------------------------------------------------------------------------------------
+# state the region writes: spectral_norm's power iteration
+
+
+def _spectral_norm_grad(checkpoint: Callable[..., torch.Tensor] | None) -> torch.Tensor:
+    """The input's gradient through a spectral-normed layer, checkpointed or not."""
+    torch.manual_seed(0)
+    layer = torch.nn.utils.spectral_norm(nn.Linear(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    out = layer(x) if checkpoint is None else checkpoint(layer, x)
+    (grad,) = torch.autograd.grad(out.sum(), [x])
+    return grad
+
+
+def _written_state(demo: Demo) -> Result:
+    """spectral_norm updates its vectors in forward; recomputation must not do it again."""
+    expected = _spectral_norm_grad(None)
+    right = "the gradient without checkpointing (the state replayed as it was)"
+    return Result(
+        gradient_or_error(partial(_spectral_norm_grad, _torch_checkpoint), expected),
+        gradient_or_error(
+            partial(_spectral_norm_grad, tensorhooks.checkpoint), expected, right=right
+        ),
+    )
+
+
+CHECKPOINT_STATE = Case(
+    "checkpoint",
+    PEER,
+    "use_reentrant=False around torch.nn.utils.spectral_norm, whose forward updates its power "
+    "iteration's vectors in place",
+    _written_state,
 )
 
 # ---------------------------------------------------------------------------------------------

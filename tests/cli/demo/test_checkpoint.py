@@ -8,11 +8,14 @@ from .conftest import rows_of
 
 
 def test_checkpoint_rows(rows: list[Row]) -> None:
-    """Torch's checkpoints: a wrong gradient, a refused .grad(), a recomputed offload."""
-    write, grad, offload = rows_of(rows, "checkpoint")
+    """Torch's checkpoints: two wrong gradients, a refused .grad(), a recomputed offload."""
+    write, state, grad, offload = rows_of(rows, "checkpoint")
     assert write.torch.result == "WRONG gradient", write
     assert write.ours.result == "right gradient", write
     assert write.timing is not None
+    assert state.torch.result == "WRONG gradient", state
+    assert state.ours.result == "right gradient", state
+    assert "spectral_norm" in state.situation
     assert grad.torch.result == "refuses", grad
     assert "use_reentrant=True" in grad.torch.detail
     assert grad.torch.detail == (
