@@ -144,3 +144,56 @@ def test_built_site_renders_every_example_as_code(tmp_path: Path) -> None:
         check.problems(tmp_path / "site", check.public_names(ROOT / "tensorhooks" / "__init__.py"))
         == []
     )
+
+
+def _readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    return re.findall(r"^```bash\n(.*?)^```", text, re.M | re.S)
+
+
+# Third-party modules the examples and docs import, and the distribution that provides each.
+_DISTRIBUTIONS = {"hypothesis": "hypothesis", "pytest": "pytest", "rich": "rich"}
+
+
+def test_readme_install_brings_what_every_example_imports() -> None:
+    """The README's first command installs every module the examples and docs pages import."""
+    command = next(c for c in _readme_commands() if "python -m tensorhooks demo" in c)
+    extras = re.search(r'-e "\.\[([\w,]+)\]"', command)
+    assert extras is not None, command
+    section = (ROOT / "pyproject.toml").read_text().split("[project.optional-dependencies]")[1]
+    optional = {
+        name: re.findall(r'"([^"]+)"', items)
+        for name, items in re.findall(r"^(\w+) = \[(.*)\]", section.split("\n[")[0], re.M)
+    }
+    installed: set[str] = set()
+    pending = extras[1].split(",")
+    while pending:
+        for requirement in optional[pending.pop()]:
+            name = re.split(r"[<>=\[ ]", requirement, maxsplit=1)[0]
+            if name == "tensorhooks":  # an extra naming others: tensorhooks[test,lint]
+                pending += re.findall(r"\[([\w,]+)\]", requirement)[0].split(",")
+            installed.add(name)
+    sources = [path.read_text() for path in sorted((ROOT / "examples").glob("*.py"))]
+    sources += [code for page in PAGES for _, _, code in python_blocks(page)]
+    imported = {
+        module
+        for source in sources
+        for module in _DISTRIBUTIONS
+        if re.search(rf"^\s*(import|from) {module}\b", source, re.M)
+    }
+    assert {_DISTRIBUTIONS[module] for module in imported} <= installed
+
+
+def test_readme_leads_with_code_and_the_cpu_wheel_comes_first() -> None:
+    """An example comes within the first 30 lines; the CPU-wheel step precedes the first install."""
+    text = (ROOT / "README.md").read_text()
+    first_code = text.index("```python")
+    assert text.count("\n", 0, first_code) < 30
+    cpu_wheel = text.index("download.pytorch.org/whl/cpu")
+    assert cpu_wheel < text.index('pip install -c constraints.txt -e ".[')
+
+
+def test_readme_docs_server_line_has_ruff() -> None:
+    """The README's mkdocs serve line installs ruff, which wraps long signatures."""
+    serve = next(c for c in _readme_commands() if "mkdocs serve" in c)
+    assert re.search(r"\bruff\b", serve)
