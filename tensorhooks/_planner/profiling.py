@@ -172,19 +172,14 @@ def _block_profile(
     kept = {item for item in recorder.kept_by[index] if item not in shared}
     inputs = {item for item in recorder.inputs_of[index] if item not in shared}
     recomputed = recorder.recomputed[index]
-    remade = recorder.remade[index]
     ops = []
     for record in recorder.ops[index]:
-        # The op's outputs in the forward pass, and the same outputs made again in the
-        # recomputation: what the block saves is named by the second, what other parts of the
-        # step save (the next block's input) by the first.
-        again_named = remade.get((record.op, record.call), [])
         in_block, unsaved, elsewhere = [], [], False
-        for position, (item, nbytes, _) in enumerate(record.outputs):
-            if position < len(again_named) and again_named[position] in kept:
+        for item, nbytes, _ in record.outputs:
+            if item in kept:
                 in_block.append(nbytes)
             elif item in saved:
-                elsewhere = True
+                elsewhere = True  # saved by another part too (shared), or only by another
             else:
                 unsaved.append(nbytes)
         again = record.call < recomputed.get(record.op, 0)
@@ -227,6 +222,7 @@ def _summary(
     device: torch.device,
 ) -> StepProfile:
     count = len(names)
+    recorder.merge_remade()
     shared = {
         item
         for item, record in recorder.saved.items()
@@ -300,13 +296,15 @@ def profile_step(
 
     Example:
         >>> import torch, tensorhooks
-        >>> model = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(3)))
+        >>> layer = lambda: torch.nn.Sequential(
+        ...     torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+        >>> model = torch.nn.Sequential(*(layer() for _ in range(3)))
         >>> x = torch.randn(8, 16)
         >>> profile = tensorhooks.profile_step(model, lambda: model(x).sum().backward())
         >>> [block.name for block in profile.blocks]
         ['0', '1', '2']
-        >>> profile.blocks[0].saved_bytes   # the first block saves its input: 8 x 16 floats
-        512
+        >>> profile.blocks[1].saved_bytes   # its input (8 x 16 floats) and two 8 x 64 tensors
+        4608
 
     Args:
         model: the model the step trains.

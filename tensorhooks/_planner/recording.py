@@ -177,6 +177,25 @@ class Recorder(Watcher):
             pairs = zip(getattr(self, name), getattr(other, name), strict=True)
             setattr(self, name, [min(pair) for pair in pairs])
 
+    def merge_remade(self) -> None:
+        """Name what recomputations kept after the forward outputs they are made again from.
+
+        A recomputation makes new storages; what a kept block would hold are the forward pass's
+        (the same op's same output), which other parts of the step may save too (the next
+        block's input, when the block ends with an op that saves its output).
+        """
+        for index, remade in enumerate(self.remade):
+            again: dict[int, int] = {}
+            for record in self.ops[index]:
+                for position, name in enumerate(remade.get((record.op, record.call), [])):
+                    if position < len(record.outputs):
+                        again[name] = record.outputs[position][0]
+            self.kept_by[index] = {again.get(name, name) for name in self.kept_by[index]}
+            for name, forward in again.items():
+                saved = self.saved.pop(name, None)
+                if saved is not None:
+                    self.saved.setdefault(forward, saved).parts |= saved.parts
+
     # --- the application's side ---------------------------------------------------------
 
     @contextlib.contextmanager
