@@ -233,7 +233,7 @@ class CheckpointArgumentValueError(TensorHooksError, ValueError):
 
 
 class PlanArgumentTypeError(TensorHooksError, TypeError):
-    """`tensorhooks.plan_activations` or `tensorhooks.profile_step` got an argument of the wrong type.
+    """A `tensorhooks.plan_activations` or `tensorhooks.profile_step` argument of the wrong type.
 
     Such as a model that is not an ``nn.Module``, a step that is not callable, or a budget that
     is neither an int (bytes) nor a float (a fraction). Inherits `TypeError`, like torch's

@@ -42,12 +42,14 @@ __all__ = [
 #
 # Time. Every predicted step is the profiled step with every block recomputed, plus each
 # block's change: keeping a block saves its recomputation and checkpoint's own overhead; a policy
-# costs its dispatch modes per op and saves the time of each op it caches (a cached op does not
-# run again; every other op up to the last save does); an offload costs what the copies do not
-# hide. A block's copies go out during the next block's forward and come back during the next
-# block's backward (its prefetch), so each direction hides behind that block's op time (the
-# head's, for the last block): ``max(0, bytes / bandwidth - window)`` per direction. The last
-# block, whose windows are short, keeps its activations unless memory is scarcer than time.
+# costs its dispatch modes per op, and saves the time of each op it caches (a cached op does not
+# run again; every other op up to the last save does) less what caching costs per op
+# (``cached_op_seconds``: an op cheaper than that to recompute is not worth caching for time);
+# an offload costs what the copies do not hide. A block's copies go out during the next block's
+# forward and come back during the next block's backward (its prefetch), so each direction
+# hides behind that block's op time (the head's, for the last block):
+# ``max(0, bytes / bandwidth - window)`` per direction. The last block, whose windows are short,
+# keeps its activations unless memory is scarcer than time.
 #
 # Which ops of a block are candidates: real ops (not views, not writes into an input) that run
 # again in a recomputation and whose outputs no other part of the step saves. Without a link
@@ -68,7 +70,7 @@ class OpCost:
     other_bytes: int
     """Bytes of its outputs that nothing saves (held only if the policy keeps them)."""
     seconds: float
-    """Recomputation time saved by caching it."""
+    """Time caching it saves: its recomputation, less what caching an op costs a policy."""
     offloadable: bool
     """Whether it may be offloaded (a link exists, and no output is tiny)."""
 
@@ -220,7 +222,7 @@ def cost_table(
                     OpCost(
                         saved_bytes=op.saved_bytes,
                         other_bytes=op.other_bytes,
-                        seconds=op.seconds,
+                        seconds=op.seconds - profile.cached_op_seconds,
                         offloadable=bandwidth is not None
                         and op.smallest_output >= min_offload_bytes,
                     )

@@ -6,6 +6,7 @@ recomputed] there); this module turns what it saw into a `StepProfile`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ from torch import nn
 from tensorhooks._core.errors import PlanArgumentTypeError, PlanArgumentValueError
 from tensorhooks._core.torch_compat import OpOverload
 
+from .apply import FULL
 from .blocks import resolve_blocks
 from .recording import (
     BEFORE,
@@ -26,6 +28,7 @@ from .recording import (
     grads_kept,
     instrumented,
     measured_bandwidth,
+    measured_peak,
     median,
     timed,
 )
@@ -35,6 +38,7 @@ __all__ = [
     "InputProfile",
     "OpProfile",
     "StepProfile",
+    "candidates",
     "check_step",
     "profile_step",
 ]
@@ -57,7 +61,7 @@ class OpProfile:
         recomputed: whether a recomputation of the block runs it (the ops after the last save
             never run again).
         cacheable: whether a policy may keep its output: a real op (not a view, not writing into
-            an input) whose outputs no other part of the step saves.
+            an input) whose outputs no other part of the step saves and no in-place op changes.
     """
 
     op: OpOverload
@@ -143,6 +147,9 @@ class StepProfile:
             (hooks, RNG state), per block; 0 when the unplanned step was not timed.
         policy_op_seconds: what a selective policy costs per op it sees, forward and
             recomputation.
+        cached_op_seconds: what a policy costs per op whose output it caches (the entry in
+            the forward pass, handing it back in recomputation), beyond that op's own time
+            saved; 0 when the unplanned step was not timed (caching every op is timed with it).
         bandwidth: host↔device bytes per second of pinned copies (the slower direction),
             measured on CUDA; None on a CPU, where there is no link.
         checkpointed_peak_bytes: the measured peak of the profiled step (every block
@@ -160,6 +167,7 @@ class StepProfile:
     unplanned_step_seconds: float | None
     checkpoint_overhead_seconds: float
     policy_op_seconds: float
+    cached_op_seconds: float
     bandwidth: float | None
     checkpointed_peak_bytes: int
     unplanned_peak_bytes: int | None
@@ -174,7 +182,8 @@ def _block_profile(
     recomputed = recorder.recomputed[index]
     ops = []
     for record in recorder.ops[index]:
-        in_block, unsaved, elsewhere = [], [], False
+        in_block, unsaved = [], []
+        elsewhere = any(item in recorder.mutated for item, _, _ in record.outputs)
         for item, nbytes, _ in record.outputs:
             if item in kept:
                 in_block.append(nbytes)
@@ -214,25 +223,46 @@ def _block_profile(
     )
 
 
+def _shared(recorder: Recorder) -> set[int]:
+    """Storages held the whole step: saved outside the blocks before the last, or twice."""
+    return {
+        item
+        for item, record in recorder.saved.items()
+        if len(record.parts) > 1 or record.parts & {BEFORE, BETWEEN}
+    }
+
+
+def _blocks(recorder: Recorder, names: list[str]) -> tuple[BlockProfile, ...]:
+    """The blocks as the instrumented step saw them (recomputation not timed yet)."""
+    recorder.merge_remade()
+    shared = _shared(recorder)
+    return tuple(
+        _block_profile(recorder, index, name, shared, 0.0) for index, name in enumerate(names)
+    )
+
+
+def candidates(blocks: Sequence[BlockProfile]) -> list[list[tuple[OpOverload, int]]]:
+    """Each block's ops a plan may cache: cacheable, and taking time to recompute."""
+    return [
+        [(op.op, op.call) for op in block.ops if op.cacheable and op.seconds > 0]
+        for block in blocks
+    ]
+
+
 def _summary(
-    names: list[str],
+    blocks: tuple[BlockProfile, ...],
     recorder: Recorder,
     timings: Timings,
     bandwidth: float | None,
     device: torch.device,
 ) -> StepProfile:
-    count = len(names)
-    recorder.merge_remade()
-    shared = {
-        item
-        for item, record in recorder.saved.items()
-        if len(record.parts) > 1 or record.parts & {BEFORE, BETWEEN}
-    }
+    count = len(blocks)
+    shared = _shared(recorder)
     after = {item for item, record in recorder.saved.items() if record.parts == {count}}
     recompute = [median([row[index] for row in timings.recompute]) for index in range(count)]
     blocks = tuple(
-        _block_profile(recorder, index, names[index], shared, recompute[index])
-        for index in range(count)
+        dataclasses.replace(block, recompute_seconds=seconds)
+        for block, seconds in zip(blocks, recompute, strict=True)
     )
     checkpointed = median(timings.checkpointed)
     unplanned = median(timings.unplanned) if timings.unplanned else None
@@ -243,6 +273,15 @@ def _summary(
     policy = [
         (with_policy - without) / max(ops, 1)
         for with_policy, without in zip(timings.policy, timings.checkpointed, strict=True)
+    ]
+    cached = candidates(blocks)
+    count_cached = sum(len(keys) for keys in cached)
+    recompute_cached = sum(
+        op.seconds for block in blocks for op in block.ops if op.cacheable and op.seconds > 0
+    )
+    per_cached = [
+        (with_cache - without + recompute_cached) / max(count_cached, 1)
+        for with_cache, without in zip(timings.cached, timings.policy, strict=False)
     ]
     return StepProfile(
         blocks=blocks,
@@ -255,6 +294,7 @@ def _summary(
         unplanned_step_seconds=unplanned,
         checkpoint_overhead_seconds=overhead,
         policy_op_seconds=max(0.0, median(policy)),
+        cached_op_seconds=max(0.0, median(per_cached)),
         bandwidth=bandwidth,
         checkpointed_peak_bytes=timings.checkpointed_peak,
         unplanned_peak_bytes=timings.unplanned_peak,
@@ -338,9 +378,18 @@ def profile_step(
     where = device_of(model, device)
     clock = StepClock(where)
     with grads_kept(model):
-        # Timed first: its first round warms up what the op times would otherwise include.
-        timings = timed(model, modules, step, clock, rounds=rounds, unplanned=unplanned)
+        measured_peak(model, modules, [FULL] * len(modules), step)  # warms up the op times
         recorder = instrumented(model, modules, step, clock)
         recorder.fastest(instrumented(model, modules, step, clock))
+        profiled = _blocks(recorder, [name for name, _ in named])
+        timings = timed(
+            model,
+            modules,
+            step,
+            clock,
+            rounds=rounds,
+            unplanned=unplanned,
+            candidates=candidates(profiled),
+        )
     bandwidth = measured_bandwidth(where) if where.type == "cuda" else None
-    return _summary([name for name, _ in named], recorder, timings, bandwidth, where)
+    return _summary(profiled, recorder, timings, bandwidth, where)

@@ -32,7 +32,7 @@ from tensorhooks._core.torch_compat import (
 from tensorhooks._hooks import saved_tensors_hooks
 
 from .accounting import HeldBytes, Hold, holding_hooks, module_keys, storage_bytes
-from .apply import FULL, KEEP, Action, Application, Watcher, tensors_in
+from .apply import FULL, KEEP, SAVE, Action, Application, OpKey, Watcher, tensors_in
 
 __all__ = [
     "BEFORE",
@@ -44,6 +44,7 @@ __all__ = [
     "grads_kept",
     "instrumented",
     "measured_bandwidth",
+    "measured_peak",
     "median",
     "timed",
 ]
@@ -149,6 +150,7 @@ class Recorder(Watcher):
         self.serial = 0
         self.saved: dict[int, _Saved] = {}
         self.tensor_bytes: dict[int, int] = {}  # storage name -> bytes of the tensor saved
+        self.mutated: set[int] = set()  # storages an in-place op may have written
         self.marks: list[tuple[int, bool, Any, Any]] = []  # (part, backward, start, end)
         self.forward_seconds: list[float] = []  # per block, then the part after the blocks
         self.backward_seconds: list[float] = []
@@ -265,7 +267,13 @@ class Recorder(Watcher):
     ) -> None:
         inputs = {storage_key(t) for t in tensors_in((args, kwargs), [])}
         fresh = [t for t in tensors_in(out, []) if storage_key(t) not in inputs]
-        alias = func.is_view or not fresh or op_schema(func).is_mutable
+        writes = op_schema(func).is_mutable
+        alias = func.is_view or not fresh or writes
+        if writes and not self.recomputing and current_graph_task_id() == -1:
+            # A cached output that the forward pass then changes in place would be handed to
+            # the recomputation changed (checkpoint raises): what an in-place op may write is
+            # never cached. Every tensor argument counts, the written one among them.
+            self.mutated.update(self.names[key] for key in inputs if key in self.names)
         if self.recomputing and self.block is not None:
             calls = self.recomputed[self.block]
             call = calls.get(func, 0)
@@ -469,12 +477,13 @@ class Timings:
     checkpointed: list[float]
     policy: list[float]
     unplanned: list[float]
+    cached: list[float]
     recompute: list[list[float]]  # per round, per block
     checkpointed_peak: int
     unplanned_peak: int | None
 
 
-def _measured_peak(
+def measured_peak(
     model: nn.Module, blocks: list[nn.Module], actions: list[Action], step: Callable[[], object]
 ) -> int:
     held = HeldBytes(module_keys(model))
@@ -496,8 +505,13 @@ def timed(
     *,
     rounds: int,
     unplanned: bool,
+    candidates: list[list[OpKey]],
 ) -> Timings:
-    """Time the step interleaved: every block recomputed, a policy caching nothing, no plan."""
+    """Time the step interleaved: every block recomputed, a policy caching nothing, no plan.
+
+    With ``unplanned``, also a policy that saves every candidate op (it holds about what no
+    plan holds): what caching an op costs, beyond the time its recomputation takes.
+    """
     count = len(blocks)
     timer = _Timer(count, clock)
     variants: dict[str, Application | None] = {
@@ -506,8 +520,13 @@ def timed(
     }
     if unplanned:
         variants["unplanned"] = None
-    checkpointed_peak = _measured_peak(model, blocks, [FULL] * count, step)
-    unplanned_peak = _measured_peak(model, blocks, [KEEP] * count, step) if unplanned else None
+        every = [
+            Action(checkpoint=True, cached=dict.fromkeys(keys, SAVE), selective=True)
+            for keys in candidates
+        ]
+        variants["cached"] = Application(blocks, every)
+    checkpointed_peak = measured_peak(model, blocks, [FULL] * count, step)
+    unplanned_peak = measured_peak(model, blocks, [KEEP] * count, step) if unplanned else None
     samples: dict[str, list[float]] = {name: [] for name in variants}
     recompute: list[list[float]] = []
     names = list(variants)
@@ -525,6 +544,7 @@ def timed(
         samples["checkpointed"],
         samples["policy"],
         samples.get("unplanned", []),
+        samples.get("cached", []),
         recompute,
         checkpointed_peak,
         unplanned_peak,

@@ -68,21 +68,21 @@ class BlockPlan:
 
 
 def plan_table(blocks: Sequence[BlockPlan]) -> list[str]:
-    """The per-block lines of a plan: choice, bytes held, time change."""
+    """The per-block lines of a plan: choice, ops run again, MiB held, time change."""
     name_width = max([len("block"), *(len(block.name) for block in blocks)])
     choice_width = max([len("choice"), *(len(block.choice) for block in blocks)])
     header = (
-        f"{'block':<{name_width}}  {'choice':<{choice_width}}  {'recomputed':>10}  "
-        f"{'device':>11}  {'in backward':>11}  {'host':>11}  {'time':>10}"
+        f"{'block':<{name_width}}  {'choice':<{choice_width}}  {'again':>5}  {'held':>6}  "
+        f"{'in bwd':>6}  {'host':>6}  {'time':>9}"
     )
     return [
-        header,
+        header + "   (ops run again; MiB held to backward, during it, on the host)",
         "-" * len(header),
         *(
             f"{block.name:<{name_width}}  {block.choice:<{choice_width}}  "
-            f"{block.recomputed:>10}  {mib(block.device_bytes):>11}  "
-            f"{mib(block.backward_bytes):>11}  {mib(block.host_bytes):>11}  "
-            f"{block.seconds * 1e3:>+7.2f} ms"
+            f"{block.recomputed:>5}  {block.device_bytes / (1 << 20):>6.2f}  "
+            f"{block.backward_bytes / (1 << 20):>6.2f}  {block.host_bytes / (1 << 20):>6.2f}  "
+            f"{block.seconds * 1e3:>+6.2f} ms"
             for block in blocks
         ),
     ]

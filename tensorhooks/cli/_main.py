@@ -17,6 +17,8 @@ from typing import NoReturn, TextIO
 
 import torch
 
+from ._plan import add_plan_command, run_plan_command
+
 __all__ = ["main"]
 
 EXTRAS = ("rich", "matplotlib")
@@ -117,6 +119,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="skip the part that starts two processes (sync_gradients against DDP)",
     )
+    add_plan_command(commands)
     return parser
 
 
@@ -169,6 +172,8 @@ def main(argv: Sequence[str] | None = None, stream: TextIO | None = None) -> int
             seed=args.seed,
             processes=not args.no_processes,
         )
+    if args.command == "plan":
+        return run_plan_command(args, out)
     from ._bench import BenchOptions, run_bench  # noqa: PLC0415  # needs the cli extra
 
     options = BenchOptions(
