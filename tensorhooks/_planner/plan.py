@@ -295,16 +295,8 @@ class ActivationPlan:
         )
 
     def _timed(self, clock: StepClock, rounds: int) -> list[float]:
-        samples = []
-        for round_index in range(rounds + 1):  # the first warms up
-            clock.sync()
-            start = clock.mark()
-            self._step()
-            end = clock.mark()
-            clock.sync()
-            if round_index:
-                samples.append(clock.seconds(start, end))
-        return samples
+        samples = [clock.time(self._step) for _ in range(rounds + 1)]
+        return samples[1:]  # the first warms up
 
     def __str__(self) -> str:
         profile = self.profile

@@ -255,11 +255,13 @@ def _summary_table(rows: Sequence[Measured], title: str) -> Any:
         "host\nMiB",
         "step ms\npredicted",
         "step ms measured\n(min-max)",
-        f"over\n{BASELINE}",
+        f"over {BASELINE}\npredicted/measured",
     ):
         table.add_column(column, justify="right")
+    baseline = next(row for row in rows if row.name.endswith(BASELINE)).plan
     for row in rows:
         plan = row.plan
+        predicted = plan.predicted_step_seconds / baseline.predicted_step_seconds
         table.add_row(
             row.name,
             f"{_mib(plan.budget_bytes):.2f}",
@@ -267,7 +269,7 @@ def _summary_table(rows: Sequence[Measured], title: str) -> Any:
             f"{_mib(row.host_bytes):.2f}",
             f"{1e3 * plan.predicted_step_seconds:.1f}",
             row.step.format("", scale=1e3, digits=1),
-            row.ratio.format(),
+            f"{predicted:.2f}x / {row.ratio.format()}",
         )
     return table
 

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import io
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("rich")
 pytest.importorskip("matplotlib")
@@ -49,3 +53,32 @@ def test_plan_command_refuses_a_bad_bandwidth(capsys: pytest.CaptureFixture[str]
         main(["plan", "--bandwidth", "0"])
     assert exit_info.value.code == 2
     assert "must be positive, got 0.0" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_benchmark_script_runs_and_says_the_gpu_part_is_skipped(tmp_path: Path) -> None:
+    """benchmarks/plan.py --quick: every CPU target met, the chart, the GPU part skipped."""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(root / "benchmarks" / "plan.py"),
+            "--quick",
+            "--rounds",
+            "1",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert done.returncode == 0, done.stderr
+    assert "TARGET MISSED" not in done.stdout
+    assert done.stdout.count("target met:") == 6
+    assert "offload input" in done.stdout
+    assert (tmp_path / "plan.png").stat().st_size > 0
+    if not torch.cuda.is_available():
+        assert "skipped: GPU part: no CUDA" in done.stdout
