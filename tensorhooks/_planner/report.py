@@ -76,7 +76,7 @@ def plan_table(blocks: Sequence[BlockPlan]) -> list[str]:
         f"{'in bwd':>6}  {'host':>6}  {'time':>9}"
     )
     return [
-        header + "   (ops run again; MiB held to backward, during it, on the host)",
+        header,
         "-" * len(header),
         *(
             f"{block.name:<{name_width}}  {block.choice:<{choice_width}}  "
@@ -85,6 +85,8 @@ def plan_table(blocks: Sequence[BlockPlan]) -> list[str]:
             f"{block.seconds * 1e3:>+6.2f} ms"
             for block in blocks
         ),
+        "again: ops run again in backward; held: MiB on the device from the forward pass to the "
+        "block's backward; in bwd: MiB during it; host: MiB offloaded",
     ]
 
 
