@@ -2,9 +2,9 @@
 
 An `Application` replaces each block's ``forward`` by a `_BlockForward` (an instance attribute,
 removed again by `Application.remove`), which runs the block's own forward as its `Action`
-says. With a `HeldBytes` it also measures what autograd holds (see NOTE [Measuring what
-autograd holds] in `accounting`); a `Watcher` sees the block boundaries, the region inputs and
-what a recomputation keeps (the profiler is one).
+says. With a `HeldBytes` it also measures what autograd holds, see
+NOTE [Measuring what autograd holds] in `accounting`. A `Watcher` sees the block boundaries,
+the region inputs and what a recomputation keeps (the profiler is one).
 """
 
 from __future__ import annotations

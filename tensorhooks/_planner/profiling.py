@@ -1,7 +1,8 @@
 """Profiling one step: per op what it saves and what it costs, per block what it holds.
 
-The step itself is run by `recording` (see NOTE [Profiling a step with every block
-recomputed] there); this module turns what it saw into a `StepProfile`.
+The step itself is run by `recording`, see
+NOTE [Profiling a step with every block recomputed] there; this module turns what it saw into a
+`StepProfile`.
 """
 
 from __future__ import annotations
