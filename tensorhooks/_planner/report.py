@@ -85,8 +85,10 @@ def plan_table(blocks: Sequence[BlockPlan]) -> list[str]:
             f"{block.seconds * 1e3:>+6.2f} ms"
             for block in blocks
         ),
-        "again: ops run again in backward; held: MiB on the device from the forward pass to the "
-        "block's backward; in bwd: MiB during it; host: MiB offloaded",
+        (
+            "again: ops run again in backward; held: MiB on the device from the forward pass to "
+            "the block's backward; in bwd: MiB during it; host: MiB offloaded"
+        ),
     ]
 
 
