@@ -83,12 +83,12 @@ STATES_PER_BLOCK = 4096
 """Policies per block the exact programme keeps before it groups them (see `_coarsened`)."""
 
 
-def _policies(block: BlockCosts) -> tuple[list[tuple[int, ...]], bool]:
+def _policies(block: BlockCosts, link: bool) -> tuple[list[tuple[int, ...]], bool]:
     """The policies worth pricing for ``block``, and whether the search over them was exact.
 
     One policy per reachable (device, unsaved, offloaded) bytes: the one saving the most time
     (see NOTE [Solving a plan exactly]). False when there were more than `STATES_PER_BLOCK`
-    and they were grouped.
+    and they were grouped. Without a ``link`` nothing is offloaded.
     """
     classes = _classes(block)
     states: dict[_Key, float] = {(0, 0, 0): 0.0}
@@ -98,7 +98,7 @@ def _policies(block: BlockCosts) -> tuple[list[tuple[int, ...]], bool]:
         first = block.ops[members[0]]
         size = first.saved_bytes + first.other_bytes
         prefix = list(itertools.accumulate((block.ops[i].seconds for i in members), initial=0.0))
-        offloads = len(members) if first.offloadable else 0
+        offloads = len(members) if first.offloadable and link else 0
         grown: dict[_Key, float] = {}
         layer: dict[_Key, tuple[_Key, int, int]] = {}
         for parent, saved in states.items():
@@ -120,7 +120,9 @@ def _policies(block: BlockCosts) -> tuple[list[tuple[int, ...]], bool]:
             exact = False
         states = grown
         layers.append(layer)
-    policies = []
+    # Caching nothing costs no policy at all, so it is not beaten by caching a zero-byte output
+    # at the same bytes: it always stays.
+    policies = [(RECOMPUTE,) * len(block.ops)]
     for final in states:
         policy = [RECOMPUTE] * len(block.ops)
         key = final
@@ -128,7 +130,8 @@ def _policies(block: BlockCosts) -> tuple[list[tuple[int, ...]], bool]:
             key, kept, moved = layer[key]
             for rank, index in enumerate(members[: kept + moved]):
                 policy[index] = SAVE if rank < kept else OFFLOAD
-        policies.append(tuple(policy))
+        if any(policy):
+            policies.append(tuple(policy))
     return policies, exact
 
 
@@ -192,7 +195,7 @@ def block_menu(block: BlockCosts, bandwidth: float | None) -> Menu:
     """Every choice of ``block`` that no other beats (see NOTE [Solving a plan exactly])."""
     inputs = [False, True] if bandwidth is not None and block.offloadable_input_bytes else [False]
     entries = [(choice_outcome(block, KEEP, bandwidth), KEEP)]
-    policies, exact = _policies(block)
+    policies, exact = _policies(block, bandwidth is not None)
     for policy in policies:
         for offload_input in inputs:
             choice = Choice(keep=False, ops=policy, offload_input=offload_input)
