@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+import torch
 
 from .costs import (
     KEEP,
@@ -39,9 +42,12 @@ __all__ = ["Menu", "Solution", "block_menu", "least_peak", "solve"]
 # offloaded), not 3**m. A dynamic programme over the classes keeps, for each reachable
 # (device bytes, unsaved bytes saved, offloaded bytes), the most time saved; every state is
 # then priced with `choice_outcome` for each input choice (the same function a brute force
-# uses, so the numbers agree to the bit). The block's menu is what remains after dropping every
-# outcome that another beats or equals in device bytes, backward bytes and seconds: the peak
-# grows with each of them, so a dropped outcome is never needed.
+# uses, so the numbers agree to the bit); caching nothing is always among them, since it alone
+# pays no policy. The block's menu is what remains after dropping every outcome that another
+# beats or equals in device bytes, backward bytes and seconds: the peak grows with each of
+# them, so a dropped outcome is never needed. The one departure from exactness: a block whose
+# classes reach more than `STATES_PER_BLOCK` byte states has them grouped on a grid of bytes,
+# each cell keeping its fastest (`_coarsened`), and the plan says so (``plan.exact``).
 #
 # Across blocks, a dynamic programme in forward order keeps, for each sum of device bytes so
 # far, the least time: a block's menu entry is admissible where the bytes held before it plus
@@ -213,54 +219,75 @@ class Solution:
     seconds: float
 
 
-class _State:
-    __slots__ = ("entry", "held", "parent", "seconds")
-
-    def __init__(
-        self, held: int, seconds: float, parent: _State | None, entry: tuple[Outcome, Choice] | None
-    ) -> None:
-        self.held = held
-        self.seconds = seconds
-        self.parent = parent
-        self.entry = entry
+def _columns(menu: Menu) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The menu's device bytes, backward bytes and seconds, as tensors."""
+    outcomes = [outcome for outcome, _ in menu.entries]
+    return (
+        torch.tensor([outcome.device for outcome in outcomes], dtype=torch.int64),
+        torch.tensor([outcome.backward for outcome in outcomes], dtype=torch.int64),
+        torch.tensor([outcome.seconds for outcome in outcomes], dtype=torch.float64),
+    )
 
 
-def _frontier(states: list[_State]) -> list[_State]:
-    """States no other beats or equals in bytes held and time (stable: the first one stays)."""
-    states.sort(key=lambda state: (state.held, state.seconds))
-    kept: list[_State] = []
-    for state in states:
-        if not kept or state.seconds < kept[-1].seconds:
-            kept.append(state)
-    return kept
+def _frontier(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """Indices of the pairs no other pair beats or equals in both (the earliest of equals stays).
+
+    Sorted by ``first`` then ``second`` (two stable sorts), a pair stays where its ``second`` is
+    below every ``second`` before it.
+    """
+    order = torch.sort(second, stable=True).indices
+    order = order[torch.sort(first[order], stable=True).indices]
+    ranked = second[order]
+    if ranked.dtype == torch.float64:
+        before = torch.cat([torch.full((1,), math.inf, dtype=ranked.dtype), ranked[:-1]])
+    else:
+        before = torch.cat([torch.full((1,), _MAX, dtype=ranked.dtype), ranked[:-1]])
+    lowest_before = torch.cummin(before, dim=0).values
+    return order[ranked < lowest_before]
+
+
+_MAX = torch.iinfo(torch.int64).max
 
 
 def solve(table: CostTable, menus: Sequence[Menu], budget: int) -> Solution | None:
-    """The fastest plan whose predicted peak is at most ``budget``; None if none is."""
-    states = [_State(0, 0.0, None, None)]
+    """The fastest plan whose predicted peak is at most ``budget``; None if none is.
+
+    The programme of NOTE [Solving a plan exactly], one block at a time on tensors: every state
+    with every admissible menu entry, then the states no other beats in bytes held and time.
+    Seconds add in block order in float64, as `plan_seconds` adds them, so equal plans compare
+    equal to the bit.
+    """
+    held = torch.zeros(1, dtype=torch.int64)
+    seconds = torch.zeros(1, dtype=torch.float64)
     room = budget - table.fixed_bytes
+    steps: list[tuple[torch.Tensor, torch.Tensor]] = []  # per block: parent state, menu entry
     for menu in menus:
-        grown = []
-        for state in states:
-            for entry in menu.entries:
-                outcome = entry[0]
-                if state.held + outcome.backward <= room:
-                    held = state.held + outcome.device
-                    grown.append(_State(held, state.seconds + outcome.seconds, state, entry))
-        states = _frontier(grown)
-    final = [state for state in states if state.held + table.after_bytes <= room]
-    if not final:
+        device, backward, change = _columns(menu)
+        parents, entries = ((held[:, None] + backward[None, :]) <= room).nonzero(as_tuple=True)
+        if parents.numel() == 0:
+            return None
+        held = held[parents] + device[entries]
+        seconds = seconds[parents] + change[entries]
+        kept = _frontier(held, seconds)
+        held, seconds = held[kept], seconds[kept]
+        steps.append((parents[kept], entries[kept]))
+    feasible = (held + table.after_bytes <= room).nonzero(as_tuple=True)[0]
+    if feasible.numel() == 0:
         return None
-    best = min(final, key=lambda state: (state.seconds, state.held))
-    return _unwind(table, best)
+    best = int(feasible[torch.argmin(seconds[feasible])])  # unique: the frontier's times differ
+    return _unwind(table, menus, steps, best)
 
 
-def _unwind(table: CostTable, state: _State) -> Solution:
+def _unwind(
+    table: CostTable,
+    menus: Sequence[Menu],
+    steps: list[tuple[torch.Tensor, torch.Tensor]],
+    state: int,
+) -> Solution:
     entries: list[tuple[Outcome, Choice]] = []
-    node: _State | None = state
-    while node is not None and node.entry is not None:
-        entries.append(node.entry)
-        node = node.parent
+    for menu, (parents, chosen) in zip(reversed(menus), reversed(steps), strict=True):
+        entries.append(menu.entries[int(chosen[state])])
+        state = int(parents[state])
     entries.reverse()
     outcomes = tuple(outcome for outcome, _ in entries)
     return Solution(
@@ -274,16 +301,13 @@ def _unwind(table: CostTable, state: _State) -> Solution:
 def least_peak(table: CostTable, menus: Sequence[Menu]) -> int:
     """The least predicted peak any plan reaches."""
     # States: (held so far, the highest backward point so far), both to be small.
-    states: list[tuple[int, int]] = [(0, 0)]
+    held = torch.zeros(1, dtype=torch.int64)
+    high = torch.zeros(1, dtype=torch.int64)
     for menu in menus:
-        grown = {
-            (held + outcome.device, max(high, held + outcome.backward))
-            for held, high in states
-            for outcome, _ in menu.entries
-        }
-        ordered = sorted(grown)
-        states = []
-        for held, high in ordered:
-            if not states or high < states[-1][1]:
-                states.append((held, high))
-    return table.fixed_bytes + min(max(high, held + table.after_bytes) for held, high in states)
+        device, backward, _ = _columns(menu)
+        grown_held = (held[:, None] + device[None, :]).flatten()
+        grown_high = torch.maximum(high[:, None], held[:, None] + backward[None, :]).flatten()
+        kept = _frontier(grown_held, grown_high)
+        held, high = grown_held[kept], grown_high[kept]
+    peaks = torch.maximum(high, held + table.after_bytes)
+    return table.fixed_bytes + int(peaks.min())
