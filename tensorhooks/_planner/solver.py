@@ -6,6 +6,7 @@ See NOTE [Solving a plan exactly] below.
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 from collections.abc import Iterable, Sequence
@@ -197,8 +198,13 @@ def _pareto(entries: Iterable[tuple[Outcome, Choice]]) -> list[tuple[Outcome, Ch
     return kept
 
 
+@functools.lru_cache(maxsize=1024)
 def block_menu(block: BlockCosts, bandwidth: float | None) -> Menu:
-    """Every choice of ``block`` that no other beats (see NOTE [Solving a plan exactly])."""
+    """Every choice of ``block`` that no other beats (see NOTE [Solving a plan exactly]).
+
+    Remembered for the last 1024 blocks: planning one profile for several budgets builds each
+    block's menu once.
+    """
     inputs = [False, True] if bandwidth is not None and block.offloadable_input_bytes else [False]
     entries = [(choice_outcome(block, KEEP, bandwidth), KEEP)]
     policies, exact = _policies(block, bandwidth is not None)

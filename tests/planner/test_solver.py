@@ -212,6 +212,7 @@ def test_many_policies_are_grouped_and_keep_full_recomputation(
 ) -> None:
     """Past the state cap the menu is marked inexact and still holds the all-recompute plan."""
     monkeypatch.setattr(solver, "STATES_PER_BLOCK", 8)
+    solver.block_menu.cache_clear()  # menus are remembered: none from before the cap changed
     ops = tuple(OpCost(size, size % 3, float(size), offloadable=False) for size in range(1, 12))
     block = BlockCosts(
         ops=ops,
@@ -226,5 +227,6 @@ def test_many_policies_are_grouped_and_keep_full_recomputation(
         backward_window=0.0,
     )
     menu = solver.block_menu(block, None)
+    solver.block_menu.cache_clear()
     assert not menu.exact
     assert any(choice.ops == (RECOMPUTE,) * len(ops) for _, choice in menu.entries)
