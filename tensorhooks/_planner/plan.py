@@ -49,6 +49,9 @@ class ActivationPlanHandle:
         >>> handle = plan.apply()
         >>> step()                    # blocks run as the plan says
         >>> handle.remove()
+
+    Nesting and threads: the blocks run as the plan says on every thread until ``remove()``;
+    one plan at a time may be applied to a block. ``with handle:`` removes it on exit.
     """
 
     def __init__(self, application: Application, held: HeldBytes | None) -> None:

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import flop_registry
 
 from tensorhooks._core.errors import PlanStateError
 from tensorhooks._core.guards import is_output_of_saving_node
@@ -363,6 +362,9 @@ class Recorder(Watcher):
 
 
 def _flops(func: OpOverload, args: Any, kwargs: Any, out: Any) -> int:
+    # Imported here: only profiling needs it, and `import tensorhooks` stays lighter without.
+    from torch.utils.flop_counter import flop_registry  # noqa: PLC0415
+
     formula = flop_registry.get(func.overloadpacket)
     if formula is None:
         return 0

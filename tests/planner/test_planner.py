@@ -353,3 +353,46 @@ def test_profile_can_be_changed_to_plan_for_another_machine(
     slower = replace(profile, checkpointed_step_seconds=profile.checkpointed_step_seconds + 1.0)
     plan = th.plan_activations(model, step, 1.0, profile=slower)
     assert plan.predicted_step_seconds >= 1.0
+
+
+def test_profile_without_the_unplanned_step(small: tuple[nn.Module, Callable[[], None]]) -> None:
+    """unplanned=False leaves the unplanned step out; plans are still made and fit."""
+    model, step = small
+    profile = th.profile_step(model, step, rounds=1, unplanned=False)
+    assert profile.unplanned_step_seconds is None
+    assert profile.unplanned_peak_bytes is None
+    assert profile.cached_op_seconds == 0.0
+    plan = th.plan_activations(model, step, 0.5, profile=profile)
+    with plan:
+        step()
+    assert plan.measured_peak_bytes is not None
+    assert plan.measured_peak_bytes <= plan.budget_bytes
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_plan_with_the_measured_link() -> None:
+    """On CUDA: the link is measured, offloading plans fit, gradients as unplanned (float64)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(mlp_block(256) for _ in range(4))).double().cuda()
+    x = torch.randn(64, 256, dtype=torch.float64, device="cuda")
+
+    def step() -> None:
+        model(x).square().sum().backward()
+
+    step()
+    reference = take_grads(model)
+    profile = th.profile_step(model, step, rounds=1)
+    assert profile.device.startswith("cuda")
+    assert profile.bandwidth is not None
+    assert profile.bandwidth > 1e8
+    least = th.plan_activations(model, step, 1.0, profile=profile, min_offload_bytes=0)
+    plan = th.plan_activations(
+        model, step, least.least_peak_bytes, profile=profile, min_offload_bytes=0
+    )
+    with plan:
+        step()
+    assert plan.measured_peak_bytes is not None
+    assert plan.measured_peak_bytes <= plan.budget_bytes
+    assert abs(plan.measured_peak_bytes - plan.predicted_peak_bytes) <= 0.05 * plan.budget_bytes
+    assert_same(take_grads(model), reference)
