@@ -219,27 +219,26 @@ def _tradeoff(axes: Any, rows: Sequence[Measured], label: str, color: str) -> No
 
 
 def write_chart(series: Sequence[tuple[str, Sequence[Measured]]], path: Path, caption: str) -> None:
-    """Draw budget → peak and peak → step time for each series of measured plans."""
+    """Draw, for each series of measured plans, budget → peak and peak → step time (one row)."""
     from matplotlib.figure import Figure  # noqa: PLC0415  # slow to import
 
-    figure = Figure(figsize=(12, 5), layout="constrained")
-    peak_axes, time_axes = figure.subplots(1, 2)
-    colors = ["tab:blue", "tab:orange", "tab:green"]
-    top = 0.0
-    for (label, rows), color in zip(series, colors, strict=False):
-        _series(peak_axes, rows, label, color)
-        _tradeoff(time_axes, rows, label, color)
-        top = max([top, *(_mib(row.plan.budget_bytes) for row in rows)])
-    peak_axes.plot([0, top], [0, top], ":", color="tab:gray", label="budget")
-    peak_axes.set_xlabel("budget, MiB")
-    peak_axes.set_ylabel("peak held for backward, MiB")
-    peak_axes.set_title("budget → peak (at or under the dotted line)", fontsize=10)
-    peak_axes.legend(fontsize=8)
-    time_axes.set_xlabel("peak held for backward, MiB (measured)")
-    time_axes.set_ylabel("step time, ms (lower is better)")
-    time_axes.set_title("memory against time: plans, and hand choices (squares)", fontsize=10)
-    time_axes.set_ylim(bottom=0)
-    time_axes.legend(fontsize=8)
+    figure = Figure(figsize=(12, 1 + 4 * len(series)), layout="constrained")
+    for (label, rows), (peak_axes, time_axes) in zip(
+        series, figure.subplots(len(series), 2, squeeze=False), strict=True
+    ):
+        _series(peak_axes, rows, label, "tab:blue")
+        _tradeoff(time_axes, rows, label, "tab:blue")
+        top = max(_mib(row.plan.budget_bytes) for row in rows)
+        peak_axes.plot([0, top], [0, top], ":", color="tab:gray", label="budget")
+        peak_axes.set_xlabel("budget, MiB")
+        peak_axes.set_ylabel("peak held for backward, MiB")
+        peak_axes.set_title(f"{label}: budget → peak (at or under the dotted line)", fontsize=10)
+        peak_axes.legend(fontsize=8)
+        time_axes.set_xlabel("peak held for backward, MiB (measured)")
+        time_axes.set_ylabel("step time, ms (lower is better)")
+        time_axes.set_title(f"{label}: plans, and hand choices (squares)", fontsize=10)
+        time_axes.set_ylim(bottom=0)
+        time_axes.legend(fontsize=8)
     figure.suptitle(textwrap.fill(caption, 140), fontsize=9)
     figure.savefig(path, dpi=100)
 
