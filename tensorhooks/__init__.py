@@ -33,6 +33,10 @@ from ._core.errors import ParameterOffloadDeviceError as ParameterOffloadDeviceE
 from ._core.errors import ParameterOffloadStateError as ParameterOffloadStateError
 from ._core.errors import ParameterOffloadTypeError as ParameterOffloadTypeError
 from ._core.errors import ParameterOffloadValueError as ParameterOffloadValueError
+from ._core.errors import PlanArgumentTypeError as PlanArgumentTypeError
+from ._core.errors import PlanArgumentValueError as PlanArgumentValueError
+from ._core.errors import PlanBudgetError as PlanBudgetError
+from ._core.errors import PlanStateError as PlanStateError
 from ._core.errors import SavedTensorModifiedError as SavedTensorModifiedError
 from ._core.errors import SyncArgumentTypeError as SyncArgumentTypeError
 from ._core.errors import SyncArgumentValueError as SyncArgumentValueError
@@ -54,6 +58,13 @@ from ._parameter_offload import CudaTransfer as CudaTransfer
 from ._parameter_offload import ParameterOffloadHandle as ParameterOffloadHandle
 from ._parameter_offload import ParameterTransfer as ParameterTransfer
 from ._parameter_offload import offload_parameters as offload_parameters
+from ._planner import ActivationPlan as ActivationPlan
+from ._planner import ActivationPlanHandle as ActivationPlanHandle
+from ._planner import BlockPlan as BlockPlan
+from ._planner import PlanReport as PlanReport
+from ._planner import StepProfile as StepProfile
+from ._planner import plan_activations as plan_activations
+from ._planner import profile_step as profile_step
 
 try:
     __version__ = _metadata.version("tensorhooks")
@@ -66,6 +77,9 @@ except _metadata.PackageNotFoundError:  # imported from a source tree that was n
 globals().update(_torch_only_names())
 
 __all__ = [
+    "ActivationPlan",
+    "ActivationPlanHandle",
+    "BlockPlan",
     "CheckpointArgumentTypeError",
     "CheckpointArgumentValueError",
     "CheckpointError",
@@ -92,7 +106,13 @@ __all__ = [
     "ParameterOffloadTypeError",
     "ParameterOffloadValueError",
     "ParameterTransfer",
+    "PlanArgumentTypeError",
+    "PlanArgumentValueError",
+    "PlanBudgetError",
+    "PlanReport",
+    "PlanStateError",
     "SavedTensorModifiedError",
+    "StepProfile",
     "SyncArgumentTypeError",
     "SyncArgumentValueError",
     "TensorHooksError",
@@ -107,6 +127,8 @@ __all__ = [
     "is_recomputing",
     "live_graph_tasks",
     "offload_parameters",
+    "plan_activations",
+    "profile_step",
     "register_multi_grad_hook",
     "save_on_cpu",
     "saved_tensors_hooks",

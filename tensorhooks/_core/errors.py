@@ -28,6 +28,11 @@ same situation, so code written against ``torch.autograd.graph`` (``except Runti
   value it cannot use: `SyncArgumentValueError` (``ValueError``); synchronisation failed in
   backward: `GradientSyncError` (``RuntimeError``).
 * the graph-task store, used outside backward: `GraphTaskError` (``RuntimeError``).
+* ``plan_activations`` and ``profile_step``, an argument of the wrong type:
+  `PlanArgumentTypeError` (``TypeError``); a value they cannot use: `PlanArgumentValueError`
+  (``ValueError``); a budget below the least peak any plan reaches: `PlanBudgetError`
+  (``ValueError``); a plan applied twice, or a step that does not run as profiled:
+  `PlanStateError` (``RuntimeError``).
 * ``tensorhooks.testing``, hooks or a context that changed a gradient: its
   ``GradientMismatchError`` (``AssertionError``), defined there with the checkers that raise it.
 
@@ -57,6 +62,10 @@ __all__ = [
     "ParameterOffloadStateError",
     "ParameterOffloadTypeError",
     "ParameterOffloadValueError",
+    "PlanArgumentTypeError",
+    "PlanArgumentValueError",
+    "PlanBudgetError",
+    "PlanStateError",
     "SavedTensorModifiedError",
     "SyncArgumentTypeError",
     "SyncArgumentValueError",
@@ -220,4 +229,40 @@ class CheckpointArgumentValueError(TensorHooksError, ValueError):
     """An option `tensorhooks.checkpoint` does not take, such as ``use_reentrant=True``.
 
     Inherits `ValueError`, like torch's errors for checkpoint options.
+    """
+
+
+# --- plan_activations ---------------------------------------------------------------------------
+
+
+class PlanArgumentTypeError(TensorHooksError, TypeError):
+    """A `tensorhooks.plan_activations` or `tensorhooks.profile_step` argument of the wrong type.
+
+    Such as a model that is not an ``nn.Module``, a step that is not callable, or a budget that
+    is neither an int (bytes) nor a float (a fraction). Inherits `TypeError`, like torch's
+    argument checks.
+    """
+
+
+class PlanArgumentValueError(TensorHooksError, ValueError):
+    """`tensorhooks.plan_activations` or `tensorhooks.profile_step` got a value it cannot use.
+
+    Such as a negative budget, a fraction above 1, a bandwidth that is not positive, or blocks
+    that are not submodules of the model. Inherits `ValueError`, like torch's argument checks.
+    """
+
+
+class PlanBudgetError(TensorHooksError, ValueError):
+    """The budget of `tensorhooks.plan_activations` is below the least peak any plan reaches.
+
+    The message names that least peak, in bytes and as a fraction of the unplanned peak, and
+    what would lower it. Inherits `ValueError`: the budget is an argument value.
+    """
+
+
+class PlanStateError(TensorHooksError, RuntimeError):
+    """A plan was applied while already applied, or the step did not run as it was profiled.
+
+    Such as entering a plan twice, removing a handle twice, a block that ran twice in one step,
+    or a block whose forward was replaced by someone else meanwhile. Inherits `RuntimeError`.
     """

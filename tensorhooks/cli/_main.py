@@ -15,10 +15,11 @@ from ._arguments import Parser, Subcommand
 from ._bench.command import BENCH
 from ._demo.command import DEMO
 from ._environment import missing_extras, version
+from ._plan.command import PLAN
 
 __all__ = ["SUBCOMMANDS", "main"]
 
-SUBCOMMANDS: tuple[Subcommand, ...] = (DEMO, BENCH)
+SUBCOMMANDS: tuple[Subcommand, ...] = (DEMO, BENCH, PLAN)
 """Every subcommand, in the order ``--help`` lists them: a new command is one entry here."""
 
 

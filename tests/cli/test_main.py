@@ -27,10 +27,10 @@ class TestCommandLine:
         )
 
     def test_module_help(self) -> None:
-        """`python -m tensorhooks --help` names both commands and exits 0."""
+        """`python -m tensorhooks --help` names every command and exits 0."""
         done = self._run("--help")
         assert done.returncode == 0, done.stderr
-        assert "{demo,bench}" in done.stdout
+        assert "{demo,bench,plan}" in done.stdout
 
     @pytest.mark.parametrize(
         ("args", "message"),

@@ -1,0 +1,102 @@
+"""Which modules a plan decides for: the blocks, by default the model's repeated children."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from tensorhooks._core.errors import PlanArgumentTypeError, PlanArgumentValueError
+
+__all__ = ["default_blocks", "resolve_blocks"]
+
+
+def _repeated(container: nn.Module) -> list[nn.Module] | None:
+    """The members of a ModuleList or Sequential of two or more modules of one class."""
+    if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+        return None
+    members = list(container)
+    if len(members) < 2 or len({type(member) for member in members}) != 1:
+        return None
+    return members
+
+
+def default_blocks(model: nn.Module) -> list[nn.Module]:
+    """The longest run of repeated children in ``model``: the layers of a transformer.
+
+    The first ``nn.ModuleList`` or ``nn.Sequential`` found breadth-first whose members (two or
+    more) share one class, the longest if several are; ``model.model.layers`` of a Hugging Face
+    causal LM, ``model.layers`` or ``model.blocks`` of most others. Without one, the children of
+    ``model`` (a ModuleList among them expanded), as `offload_parameters` takes them.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.ModuleList(
+        ...     torch.nn.Linear(4, 4) for _ in range(3)))
+        >>> len(default_blocks(model))
+        3
+    """
+    best: list[nn.Module] = []
+    pending = [model]
+    while pending:
+        module = pending.pop(0)
+        members = _repeated(module)
+        if members is not None and len(members) > len(best):
+            best = members
+        pending.extend(module.children())
+    if best:
+        return best
+    blocks: list[nn.Module] = []
+    for child in model.children():
+        blocks += list(child) if isinstance(child, nn.ModuleList) else [child]
+    return blocks
+
+
+def resolve_blocks(
+    model: object, blocks: Sequence[nn.Module] | None, caller: str
+) -> list[tuple[str, nn.Module]]:
+    """Check ``model`` and ``blocks``; return each block with its qualified name in the model.
+
+    Raises:
+        PlanArgumentTypeError: if ``model`` or a block is not an ``nn.Module``.
+        PlanArgumentValueError: if there are no blocks, a block is not a submodule of the model,
+            is listed twice, or contains another block.
+    """
+    if not isinstance(model, nn.Module):
+        raise PlanArgumentTypeError(
+            f"{caller}: model must be an nn.Module, got {model!r} of type {type(model).__name__}"
+        )
+    chosen = default_blocks(model) if blocks is None else list(blocks)
+    if not chosen:
+        raise PlanArgumentValueError(
+            f"{caller}: no blocks in {type(model).__name__} (it has no children); pass "
+            "blocks=[...] with the submodules to plan, such as model.model.layers"
+        )
+    names = {id(module): name for name, module in model.named_modules()}
+    seen: dict[int, int] = {}
+    for index, block in enumerate(chosen):
+        if not isinstance(block, nn.Module):
+            raise PlanArgumentTypeError(
+                f"{caller}: blocks[{index}] is {block!r} of type {type(block).__name__}, not an "
+                "nn.Module; pass submodules of the model"
+            )
+        if id(block) not in names:
+            raise PlanArgumentValueError(
+                f"{caller}: blocks[{index}] ({type(block).__name__}) is not a submodule of the "
+                "model; pass modules found in model.modules()"
+            )
+        if id(block) in seen:
+            raise PlanArgumentValueError(
+                f"{caller}: blocks[{index}] is blocks[{seen[id(block)]}] again; list each block "
+                "once"
+            )
+        seen[id(block)] = index
+    for index, block in enumerate(chosen):
+        for inner in block.modules():
+            other = seen.get(id(inner))
+            if other is not None and other != index:
+                raise PlanArgumentValueError(
+                    f"{caller}: blocks[{other}] is inside blocks[{index}]; pass blocks that do "
+                    "not contain one another"
+                )
+    return [(names[id(block)] or "(model)", block) for block in chosen]

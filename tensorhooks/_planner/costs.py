@@ -1,0 +1,250 @@
+"""The cost model: what a block's choice holds on the device and host, and what it costs in time.
+
+See NOTE [The cost model of a plan] below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .apply import OpKey
+from .profiling import BlockProfile, StepProfile
+
+__all__ = [
+    "OFFLOAD",
+    "RECOMPUTE",
+    "SAVE",
+    "BlockCosts",
+    "Choice",
+    "CostTable",
+    "OpCost",
+    "Outcome",
+    "choice_outcome",
+    "cost_table",
+    "exposed_seconds",
+    "plan_peak",
+    "plan_seconds",
+]
+
+# NOTE [The cost model of a plan]
+#
+# Bytes. A block's choice holds ``device`` bytes from its forward until its backward ends (what a
+# kept block saves; under checkpoint, its inputs and the outputs its policy saves) and, during
+# its own backward, ``backward`` bytes (those plus what its recomputation keeps until backward
+# uses it: a checkpointed block holds then what a kept one would). ``host`` bytes are offloaded.
+# Saves outside the blocks are ``fixed`` (before the blocks, or shared: held the whole step) or
+# ``after`` (the head and the loss: released before the blocks' backward). Backward runs the
+# blocks last to first, so the peak is the larger of the end of the forward pass and the
+# backward of each block j:
+#
+#     peak = max(fixed + sum(device) + after,  max_j fixed + sum(device[i] for i < j) + backward[j])
+#
+# Time. Every predicted step is the profiled step with every block recomputed, plus each
+# block's change: keeping a block saves its recomputation and checkpoint's own overhead; a policy
+# costs its dispatch modes per op, and saves the time of each op it caches (a cached op does not
+# run again; every other op up to the last save does) less what caching costs per op
+# (``cached_op_seconds``: an op cheaper than that to recompute is not worth caching for time);
+# an offload costs what the copies do not hide. A block's copies go out during the next block's
+# forward and come back during the next block's backward (its prefetch), so each direction
+# hides behind that block's op time (the head's, for the last block):
+# ``max(0, bytes / bandwidth - window)`` per direction. The last block, whose windows are short,
+# keeps its activations unless memory is scarcer than time.
+#
+# Which ops of a block are candidates: real ops (not views, not writes into an input) that run
+# again in a recomputation and whose outputs no other part of the step saves. Without a link
+# (``bandwidth=None``, a CPU) nothing is offloaded; tensors below ``min_offload_bytes`` never
+# are.
+
+RECOMPUTE = 0
+SAVE = 1
+OFFLOAD = 2
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """A candidate op of a block: what caching its output holds, and the time it saves."""
+
+    saved_bytes: int
+    """Bytes of its outputs that the block saves anyway (held during the block's backward)."""
+    other_bytes: int
+    """Bytes of its outputs that nothing saves (held only if the policy keeps them)."""
+    seconds: float
+    """Time caching it saves: its recomputation, less what caching an op costs a policy."""
+    offloadable: bool
+    """Whether it may be offloaded (a link exists, and no output is tiny)."""
+
+
+@dataclass(frozen=True)
+class BlockCosts:
+    """What each choice of one block costs is made from these."""
+
+    ops: tuple[OpCost, ...]
+    saved_bytes: int
+    """Bytes the block saves when kept."""
+    input_bytes: int
+    """Bytes of the inputs a checkpoint of it keeps."""
+    input_unsaved_bytes: int
+    """Bytes of those inputs that the block's ops do not save too."""
+    offloadable_input_bytes: int
+    """Bytes of the inputs that offloading them moves (not tiny); 0 without a link."""
+    offloadable_input_unsaved_bytes: int
+    """The part of those that the block's ops do not save too."""
+    keep_seconds: float
+    """Time keeping the block changes (negative: its recomputation and overhead are saved)."""
+    policy_seconds: float
+    """Time a selective policy's dispatch costs the block (forward and recomputation)."""
+    forward_window: float
+    """Op time that hides the block's copies to the host (the next block's forward)."""
+    backward_window: float
+    """Op time that hides the copies back (the next block's backward)."""
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Every block's costs, and what the rest of the step holds."""
+
+    blocks: tuple[BlockCosts, ...]
+    fixed_bytes: int
+    after_bytes: int
+    base_seconds: float
+    """The step with every block recomputed."""
+    bandwidth: float | None
+    """Host↔device bytes per second; None: nothing can be offloaded."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One block's choice: kept, or checkpointed with a policy.
+
+    ``ops`` has one entry per candidate op: `RECOMPUTE`, `SAVE` or `OFFLOAD`; ``offload_input``
+    sends the block's inputs to host memory.
+    """
+
+    keep: bool
+    ops: tuple[int, ...] = ()
+    offload_input: bool = False
+
+
+KEEP = Choice(keep=True)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a block's choice holds and what it changes in time (see NOTE [The cost model])."""
+
+    device: int
+    backward: int
+    host: int
+    seconds: float
+
+
+def exposed_seconds(block: BlockCosts, offloaded: int, bandwidth: float | None) -> float:
+    """Copy time of ``offloaded`` bytes that the block's windows do not hide, both directions."""
+    if offloaded == 0 or bandwidth is None:
+        return 0.0
+    copy = offloaded / bandwidth
+    return max(0.0, copy - block.forward_window) + max(0.0, copy - block.backward_window)
+
+
+def choice_outcome(block: BlockCosts, choice: Choice, bandwidth: float | None) -> Outcome:
+    """What ``choice`` holds and costs for ``block``."""
+    if choice.keep:
+        return Outcome(block.saved_bytes, block.saved_bytes, 0, block.keep_seconds)
+    device = block.input_bytes
+    backward = block.saved_bytes + block.input_unsaved_bytes
+    host = 0
+    if choice.offload_input:
+        device -= block.offloadable_input_bytes
+        backward -= block.offloadable_input_unsaved_bytes
+        host += block.offloadable_input_bytes
+    saved = 0.0
+    for op, what in zip(block.ops, choice.ops, strict=True):
+        if what == SAVE:
+            device += op.saved_bytes + op.other_bytes
+            backward += op.other_bytes
+            saved += op.seconds
+        elif what == OFFLOAD:
+            host += op.saved_bytes + op.other_bytes
+            saved += op.seconds
+    seconds = (block.policy_seconds if any(choice.ops) else 0.0) - saved
+    seconds += exposed_seconds(block, host, bandwidth)
+    return Outcome(device, backward, host, seconds)
+
+
+def plan_peak(table: CostTable, outcomes: Sequence[Outcome]) -> int:
+    """The predicted peak of device bytes held for backward (see NOTE [The cost model])."""
+    held = table.fixed_bytes
+    peak = 0
+    for outcome in outcomes:
+        peak = max(peak, held + outcome.backward)
+        held += outcome.device
+    return max(peak, held + table.after_bytes)
+
+
+def plan_seconds(table: CostTable, outcomes: Sequence[Outcome]) -> float:
+    """The predicted step time."""
+    change = 0.0
+    for outcome in outcomes:
+        change += outcome.seconds
+    return table.base_seconds + change
+
+
+def _input_parts(block: BlockProfile, threshold: int) -> tuple[int, int]:
+    moved = [item for item in block.inputs if item.tensor_bytes >= threshold]
+    return (
+        sum(item.nbytes for item in moved),
+        sum(item.nbytes for item in moved if not item.saved),
+    )
+
+
+def cost_table(
+    profile: StepProfile, bandwidth: float | None, min_offload_bytes: int
+) -> tuple[CostTable, list[list[OpKey]]]:
+    """The cost table of ``profile``, and each block's candidate ops by key, in table order."""
+    blocks = []
+    keys: list[list[OpKey]] = []
+    count = len(profile.blocks)
+    for index, block in enumerate(profile.blocks):
+        following = profile.blocks[index + 1] if index + 1 < count else None
+        forward_window = following.forward_seconds if following else profile.after_forward_seconds
+        backward_window = (
+            following.backward_seconds if following else profile.after_backward_seconds
+        )
+        candidates = [op for op in block.ops if op.cacheable and op.seconds > 0]
+        keys.append([(op.op, op.call) for op in candidates])
+        offload_in, offload_in_unsaved = (0, 0)
+        if bandwidth is not None:
+            offload_in, offload_in_unsaved = _input_parts(block, min_offload_bytes)
+        blocks.append(
+            BlockCosts(
+                ops=tuple(
+                    OpCost(
+                        saved_bytes=op.saved_bytes,
+                        other_bytes=op.other_bytes,
+                        seconds=op.seconds - profile.cached_op_seconds,
+                        offloadable=bandwidth is not None
+                        and op.smallest_output >= min_offload_bytes,
+                    )
+                    for op in candidates
+                ),
+                saved_bytes=block.saved_bytes,
+                input_bytes=block.input_bytes,
+                input_unsaved_bytes=block.saved_and_input_bytes - block.saved_bytes,
+                offloadable_input_bytes=offload_in,
+                offloadable_input_unsaved_bytes=offload_in_unsaved,
+                keep_seconds=-(block.recompute_seconds + profile.checkpoint_overhead_seconds),
+                policy_seconds=profile.policy_op_seconds
+                * (block.forward_ops + block.recompute_ops),
+                forward_window=forward_window,
+                backward_window=backward_window,
+            )
+        )
+    table = CostTable(
+        blocks=tuple(blocks),
+        fixed_bytes=profile.fixed_bytes,
+        after_bytes=profile.after_bytes,
+        base_seconds=profile.checkpointed_step_seconds,
+        bandwidth=bandwidth,
+    )
+    return table, keys

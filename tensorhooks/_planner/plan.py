@@ -1,0 +1,502 @@
+"""plan_activations: keep, recompute or offload, chosen per block and op under a memory budget."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+
+from torch import nn
+
+from tensorhooks._core.errors import (
+    PlanArgumentTypeError,
+    PlanArgumentValueError,
+    PlanBudgetError,
+    PlanStateError,
+)
+
+from .accounting import DEVICE, HOST, HeldBytes, holding_hooks, module_keys
+from .apply import OFFLOAD, SAVE, Action, Application, OpKey
+from .blocks import resolve_blocks
+from .costs import KEEP, Choice, CostTable, choice_outcome, cost_table, plan_peak
+from .costs import OFFLOAD as OFFLOADED
+from .costs import SAVE as SAVED
+from .profiling import StepProfile, check_step, profile_step
+from .recording import StepClock, device_of, grads_kept
+from .report import BlockPlan, PlanReport, mib, plan_table
+from .solver import Solution, block_menu, least_peak, solve
+
+__all__ = ["ActivationPlan", "ActivationPlanHandle", "plan_activations"]
+
+_DEFAULT_MIN_OFFLOAD_BYTES = 1 << 20
+
+
+def _op_name(key: OpKey) -> str:
+    op, call = key
+    return f"{op}#{call}"
+
+
+class ActivationPlanHandle:
+    """A plan applied to its model's blocks, until `remove` (or the end of a ``with`` block).
+
+    Example:
+        >>> import torch, tensorhooks
+        >>> layer = lambda: torch.nn.Sequential(
+        ...     torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+        >>> model = torch.nn.Sequential(*(layer() for _ in range(3)))
+        >>> x = torch.randn(8, 16)
+        >>> step = lambda: model(x).sum().backward()
+        >>> plan = tensorhooks.plan_activations(model, step, budget=0.7)
+        >>> handle = plan.apply()
+        >>> step()                    # blocks run as the plan says
+        >>> handle.remove()
+
+    Nesting and threads: the blocks run as the plan says on every thread until ``remove()``;
+    one plan at a time may be applied to a block. ``with handle:`` removes it on exit.
+    """
+
+    def __init__(self, application: Application, held: HeldBytes | None) -> None:
+        self._application = application
+        self._held = held
+        self._removed = False
+
+    @property
+    def measured_peak_bytes(self) -> int | None:
+        """The peak of device bytes held for backward so far (with ``measure=True``), or None."""
+        return None if self._held is None else self._held.peak[DEVICE]
+
+    @property
+    def measured_host_peak_bytes(self) -> int | None:
+        """The peak of offloaded bytes so far (with ``measure=True``), or None."""
+        return None if self._held is None else self._held.peak[HOST]
+
+    def remove(self) -> None:
+        """Give each block its own ``forward`` back.
+
+        Raises:
+            PlanStateError: if the handle was already removed (a ``RuntimeError``).
+        """
+        if self._removed:
+            raise PlanStateError(
+                "ActivationPlanHandle.remove: this handle was already removed; apply the plan "
+                "again (plan.apply()) to get a new one"
+            )
+        self._removed = True
+        self._application.remove()
+
+    def __enter__(self) -> ActivationPlanHandle:
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        self.remove()
+
+
+class ActivationPlan:
+    """What `plan_activations` chose for each block, with its predicted peak and step time.
+
+    ``with plan:`` runs the body with the plan applied and measures what autograd holds (for
+    `report`); `apply` applies it until its handle is removed, for a training loop. ``str(plan)``
+    is a table: per block what is kept, recomputed and offloaded, and what it holds.
+
+    Example:
+        >>> import torch, tensorhooks
+        >>> layer = lambda: torch.nn.Sequential(
+        ...     torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+        >>> model = torch.nn.Sequential(*(layer() for _ in range(4)))
+        >>> x = torch.randn(8, 16)
+        >>> step = lambda: model(x).sum().backward()
+        >>> plan = tensorhooks.plan_activations(model, step, budget=0.5)
+        >>> plan.blocks[-1].choice   # its backward comes first: recomputing it rarely helps
+        'keep'
+        >>> with plan:
+        ...     step()
+        >>> plan.measured_peak_bytes <= plan.budget_bytes
+        True
+
+    Nesting and threads: a plan replaces its blocks' ``forward`` for every thread while it is
+    applied, and one plan at a time may be applied to a block. ``with plan:`` also pushes a pair
+    of saved-tensor hooks on the entering thread (to measure), so run the planned step on that
+    thread; plans do not nest.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        step: Callable[[], object],
+        modules: Sequence[nn.Module],
+        profile: StepProfile,
+        table: CostTable,
+        keys: Sequence[Sequence[OpKey]],
+        solution: Solution,
+        budget_bytes: int,
+        least_peak_bytes: int,
+        unplanned_peak_bytes: int,
+        exact: bool,
+        min_offload_bytes: int,
+    ) -> None:
+        self._model = model
+        self._step = step
+        self._modules = list(modules)
+        self._keys = [list(block_keys) for block_keys in keys]
+        self._min_offload_bytes = min_offload_bytes
+        self.profile = profile
+        """The `StepProfile` the plan was made from."""
+        self.table = table
+        self.budget_bytes = budget_bytes
+        """The budget, in bytes."""
+        self.least_peak_bytes = least_peak_bytes
+        """The least peak any plan of the cost model reaches."""
+        self.unplanned_peak_bytes = unplanned_peak_bytes
+        """The predicted peak with no plan (every block kept): what a fractional budget scales."""
+        self.exact = exact
+        """False where a block had more policies than the solver searches one by one."""
+        self.choices = solution.choices
+        self.predicted_peak_bytes = solution.peak
+        """The predicted peak of device bytes held for backward."""
+        self.predicted_step_seconds = solution.seconds
+        """The predicted step time."""
+        self.blocks = tuple(
+            self._block_plan(index, choice) for index, choice in enumerate(solution.choices)
+        )
+        """One `BlockPlan` per block, in forward order."""
+        self.measured_peak_bytes: int | None = None
+        """The device peak measured by the last ``with plan:`` block, or None."""
+        self.measured_host_peak_bytes: int | None = None
+        """The host peak measured by the last ``with plan:`` block, or None."""
+        self._entered: tuple[ActivationPlanHandle, HeldBytes, object] | None = None
+
+    @property
+    def predicted_host_bytes(self) -> int:
+        """Bytes the plan keeps in host memory at the end of the forward pass."""
+        return sum(block.host_bytes for block in self.blocks)
+
+    def _block_plan(self, index: int, choice: Choice) -> BlockPlan:
+        block = self.table.blocks[index]
+        outcome = choice_outcome(block, choice, self.table.bandwidth)
+        keys = self._keys[index]
+        profiled = self.profile.blocks[index]
+        cached = sum(1 for what in choice.ops if what)
+        return BlockPlan(
+            name=profiled.name,
+            checkpoint=not choice.keep,
+            saved=tuple(_op_name(keys[i]) for i, what in enumerate(choice.ops) if what == SAVED),
+            offloaded=tuple(
+                _op_name(keys[i]) for i, what in enumerate(choice.ops) if what == OFFLOADED
+            ),
+            offload_input=choice.offload_input,
+            recomputed=0 if choice.keep else profiled.recompute_ops - cached,
+            device_bytes=outcome.device,
+            backward_bytes=outcome.backward,
+            host_bytes=outcome.host,
+            seconds=outcome.seconds,
+        )
+
+    def _actions(self) -> list[Action]:
+        actions = []
+        for choice, keys in zip(self.choices, self._keys, strict=True):
+            cached = {
+                keys[index]: SAVE if what == SAVED else OFFLOAD
+                for index, what in enumerate(choice.ops)
+                if what
+            }
+            actions.append(Action(not choice.keep, cached, choice.offload_input))
+        return actions
+
+    def apply(self, *, measure: bool = False) -> ActivationPlanHandle:
+        """Apply the plan to its blocks until the returned handle's ``remove()``.
+
+        Args:
+            measure: count what autograd holds in the blocks (the handle's
+                ``measured_peak_bytes``; what is saved outside the blocks is counted only under
+                ``with plan:``). Off by default: it costs a little per saved tensor.
+
+        Returns:
+            An `ActivationPlanHandle`.
+
+        Raises:
+            PlanStateError: if a block already runs under a plan (a ``RuntimeError``).
+        """
+        held = HeldBytes(module_keys(self._model)) if measure else None
+        application = Application(
+            self._modules,
+            self._actions(),
+            held=held,
+            min_offload_bytes=self._min_offload_bytes,
+        )
+        application.install()
+        return ActivationPlanHandle(application, held)
+
+    def __enter__(self) -> ActivationPlan:
+        if self._entered is not None:
+            raise PlanStateError(
+                "ActivationPlan: the plan is already entered; plans do not nest (exit it first)"
+            )
+        handle = self.apply(measure=True)
+        held = handle._held
+        assert held is not None
+        hooks = holding_hooks(held)
+        try:
+            hooks.__enter__()
+        except BaseException:
+            handle.remove()
+            raise
+        self._entered = (handle, held, hooks)
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        entered, self._entered = self._entered, None
+        if entered is None:
+            return
+        handle, held, hooks = entered
+        try:
+            hooks.__exit__(*args)  # type: ignore[attr-defined]  # a saved_tensors_hooks
+        finally:
+            handle.remove()
+            self.measured_peak_bytes = held.peak[DEVICE]
+            self.measured_host_peak_bytes = held.peak[HOST]
+
+    def report(self, *, rounds: int = 3) -> PlanReport:
+        """Run the step under the plan: the measured peak and step time against the predicted.
+
+        The peak is the one measured by the last ``with plan:`` block, or by one planned step
+        run here; the step time is the median of ``rounds`` planned steps (after one that warms
+        up). The parameters' ``.grad`` are put back as they were.
+
+        Args:
+            rounds: timed steps.
+
+        Returns:
+            A `PlanReport` (``print`` it for a summary).
+
+        Raises:
+            PlanArgumentValueError: if ``rounds`` is not a positive int (a ``ValueError``).
+            PlanStateError: if the plan is applied now (inside ``with plan:``, or under a handle;
+                a ``RuntimeError``).
+        """
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+            raise PlanArgumentValueError(f"report: rounds must be an int >= 1, got {rounds!r}")
+        clock = StepClock(device_of(self._model, self.profile.device))
+        samples = []
+        with grads_kept(self._model):
+            if self.measured_peak_bytes is None:
+                with self:
+                    self._step()
+            with self.apply():
+                samples = self._timed(clock, rounds)
+        assert self.measured_peak_bytes is not None
+        assert self.measured_host_peak_bytes is not None
+        return PlanReport(
+            budget_bytes=self.budget_bytes,
+            predicted_peak_bytes=self.predicted_peak_bytes,
+            measured_peak_bytes=self.measured_peak_bytes,
+            predicted_host_bytes=self.predicted_host_bytes,
+            measured_host_peak_bytes=self.measured_host_peak_bytes,
+            predicted_step_seconds=self.predicted_step_seconds,
+            measured_step_seconds=float(statistics.median(samples)),
+            measured_step_range=(min(samples), max(samples)),
+            device=self.profile.device,
+        )
+
+    def _timed(self, clock: StepClock, rounds: int) -> list[float]:
+        samples = [clock.time(self._step) for _ in range(rounds + 1)]
+        return samples[1:]  # the first warms up
+
+    def __str__(self) -> str:
+        profile = self.profile
+        link = (
+            "no host link (nothing offloaded)"
+            if self.table.bandwidth is None
+            else f"host link {self.table.bandwidth / 1e9:.1f} GB/s"
+        )
+        unplanned = profile.unplanned_step_seconds
+        anchors = f"every block recomputed: {profile.checkpointed_step_seconds * 1e3:.2f} ms"
+        if unplanned is not None:
+            anchors += f", unplanned: {unplanned * 1e3:.2f} ms"
+        lines = [
+            (
+                f"activation plan on {profile.device}, {link}: budget {mib(self.budget_bytes)} "
+                f"({self.budget_bytes / max(self.unplanned_peak_bytes, 1):.2f} of the unplanned "
+                f"{mib(self.unplanned_peak_bytes)}; least {mib(self.least_peak_bytes)})"
+            ),
+            (
+                f"predicted peak {mib(self.predicted_peak_bytes)}, host "
+                f"{mib(self.predicted_host_bytes)}, step "
+                f"{self.predicted_step_seconds * 1e3:.2f} ms ({anchors})"
+            ),
+            *plan_table(self.blocks),
+        ]
+        if not self.exact:
+            lines.append("(some blocks had more policies than searched one by one: grouped)")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (
+            f"<ActivationPlan of {len(self.blocks)} blocks: budget {self.budget_bytes} B, "
+            f"predicted peak {self.predicted_peak_bytes} B, "
+            f"step {self.predicted_step_seconds * 1e3:.3f} ms>"
+        )
+
+
+def _budget_bytes(budget: object, unplanned: int) -> int:
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise PlanArgumentTypeError(
+            f"plan_activations: budget must be an int (bytes) or a float (a fraction of the "
+            f"unplanned peak), got {budget!r} of type {type(budget).__name__}"
+        )
+    if isinstance(budget, float):
+        if not 0.0 < budget <= 1.0:
+            raise PlanArgumentValueError(
+                f"plan_activations: a float budget is a fraction of the unplanned peak "
+                f"({unplanned} bytes) and must be in (0, 1], got {budget!r}; pass an int for "
+                "bytes"
+            )
+        return int(budget * unplanned)
+    if budget <= 0:
+        raise PlanArgumentValueError(
+            f"plan_activations: budget must be positive, got {budget!r} bytes"
+        )
+    return budget
+
+
+def _check_options(bandwidth: object, min_offload_bytes: object) -> None:
+    if bandwidth is not None and (
+        isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float))
+    ):
+        raise PlanArgumentTypeError(
+            f"plan_activations: bandwidth must be a number of bytes per second or None, got "
+            f"{bandwidth!r} of type {type(bandwidth).__name__}"
+        )
+    if bandwidth is not None and not bandwidth > 0:
+        raise PlanArgumentValueError(
+            f"plan_activations: bandwidth must be positive (bytes per second), got {bandwidth!r}"
+        )
+    if (
+        isinstance(min_offload_bytes, bool)
+        or not isinstance(min_offload_bytes, int)
+        or min_offload_bytes < 0
+    ):
+        raise PlanArgumentValueError(
+            f"plan_activations: min_offload_bytes must be an int >= 0, got {min_offload_bytes!r}"
+        )
+
+
+def _profile_for(
+    model: nn.Module,
+    step: Callable[[], object],
+    blocks: Sequence[nn.Module] | None,
+    profile: StepProfile | None,
+) -> tuple[list[nn.Module], StepProfile]:
+    named = resolve_blocks(model, blocks, "plan_activations")
+    modules = [module for _, module in named]
+    if profile is None:
+        return modules, profile_step(model, step, blocks=modules)
+    if not isinstance(profile, StepProfile):
+        raise PlanArgumentTypeError(
+            f"plan_activations: profile must be a StepProfile (from profile_step), got "
+            f"{profile!r} of type {type(profile).__name__}"
+        )
+    names = [name for name, _ in named]
+    profiled = [block.name for block in profile.blocks]
+    if names != profiled:
+        raise PlanArgumentValueError(
+            f"plan_activations: the profile is of blocks {profiled}, not of {names}; pass the "
+            "blocks the profile was made with, or profile again"
+        )
+    return modules, profile
+
+
+def plan_activations(
+    model: nn.Module,
+    step: Callable[[], object],
+    budget: int | float,
+    *,
+    blocks: Sequence[nn.Module] | None = None,
+    profile: StepProfile | None = None,
+    bandwidth: float | None = None,
+    min_offload_bytes: int = _DEFAULT_MIN_OFFLOAD_BYTES,
+) -> ActivationPlan:
+    """Choose, per block and per op, what to keep, recompute or offload so that the step fits.
+
+    ``step`` is profiled once (`profile_step`), unless ``profile`` is given. The solver then
+    picks, for every block, one of: keep what it saves; checkpoint it with a policy that saves,
+    recomputes or offloads each op's output; and offload the block's input too. It is exact over
+    those choices (a dynamic programme over the blocks) and returns the fastest plan whose
+    predicted peak of bytes held for backward is at most ``budget``; a larger budget never
+    predicts a slower step. Views and tiny tensors are never offloaded; offloading is only
+    chosen where the link's copies hide behind compute (see docs/planner.md for the cost model).
+
+    Example:
+        >>> import torch, tensorhooks
+        >>> layer = lambda: torch.nn.Sequential(
+        ...     torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+        >>> model = torch.nn.Sequential(*(layer() for _ in range(4)))
+        >>> x = torch.randn(32, 64)
+        >>> step = lambda: model(x).sum().backward()
+        >>> plan = tensorhooks.plan_activations(model, step, budget=0.5)
+        >>> plan.predicted_peak_bytes <= plan.budget_bytes
+        True
+        >>> with plan:
+        ...     step()
+        >>> plan.measured_peak_bytes <= plan.budget_bytes
+        True
+
+    Args:
+        model: the model ``step`` trains.
+        step: runs one forward and backward the way training does, with the real shapes, and
+            no optimizer step (it is called several times).
+        budget: bytes (an int), or a fraction in (0, 1] of the peak with no plan (a float).
+        blocks: the modules to plan, each called once per step; default: the longest run of
+            repeated children (``model.model.layers`` of a Hugging Face model).
+        profile: a `StepProfile` of these blocks, to plan without profiling again.
+        bandwidth: host↔device bytes per second to plan offloading for; default: the
+            profile's (measured on CUDA; none on a CPU, where nothing is offloaded).
+        min_offload_bytes: tensors smaller than this are never offloaded.
+
+    Returns:
+        The `ActivationPlan`.
+
+    Raises:
+        PlanArgumentTypeError: if ``model``, ``step``, ``budget``, ``blocks``, ``profile`` or
+            ``bandwidth`` has the wrong type (a ``TypeError``).
+        PlanArgumentValueError: if ``budget`` is not positive, a float budget is above 1,
+            ``bandwidth`` is not positive, ``min_offload_bytes`` is negative, or the blocks are
+            not the profile's (a ``ValueError``).
+        PlanBudgetError: if ``budget`` is below the least peak any plan reaches; the message
+            names that figure (a ``ValueError``).
+        PlanStateError: if a block runs twice in the step, or not at all (a ``RuntimeError``).
+    """
+    check_step(step, "plan_activations")
+    _check_options(bandwidth, min_offload_bytes)
+    modules, profile = _profile_for(model, step, blocks, profile)
+    link = profile.bandwidth if bandwidth is None else float(bandwidth)
+    table, keys = cost_table(profile, link, min_offload_bytes)
+    menus = [block_menu(block, link) for block in table.blocks]
+    unplanned = plan_peak(table, [choice_outcome(block, KEEP, link) for block in table.blocks])
+    least = least_peak(table, menus)
+    budget_bytes = _budget_bytes(budget, unplanned)
+    if budget_bytes < least:
+        hint = (
+            "; with a host link (bandwidth=...) offloading could lower it" if link is None else ""
+        )
+        raise PlanBudgetError(
+            f"plan_activations: budget={budget!r} ({budget_bytes} bytes, {mib(budget_bytes)}) "
+            f"is below the least peak any plan reaches: {least} bytes ({mib(least)}, "
+            f"{least / max(unplanned, 1):.3f} of the unplanned peak of {unplanned} bytes); "
+            f"pass budget >= {least}{hint}"
+        )
+    solution = solve(table, menus, budget_bytes)
+    assert solution is not None  # the least peak is reached by some plan
+    return ActivationPlan(
+        model=model,
+        step=step,
+        modules=modules,
+        profile=profile,
+        table=table,
+        keys=keys,
+        solution=solution,
+        budget_bytes=budget_bytes,
+        least_peak_bytes=least,
+        unplanned_peak_bytes=unplanned,
+        exact=all(menu.exact for menu in menus),
+        min_offload_bytes=min_offload_bytes,
+    )

@@ -1,0 +1,396 @@
+"""Profiling one step: per op what it saves and what it costs, per block what it holds.
+
+The step itself is run by `recording`, see
+NOTE [Profiling a step with every block recomputed] there; this module turns what it saw into a
+`StepProfile`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tensorhooks._core.errors import PlanArgumentTypeError, PlanArgumentValueError
+from tensorhooks._core.torch_compat import OpOverload
+
+from .apply import FULL
+from .blocks import resolve_blocks
+from .recording import (
+    BEFORE,
+    BETWEEN,
+    Recorder,
+    StepClock,
+    Timings,
+    device_of,
+    grads_kept,
+    instrumented,
+    measured_bandwidth,
+    measured_peak,
+    median,
+    timed,
+)
+
+__all__ = [
+    "BlockProfile",
+    "InputProfile",
+    "OpProfile",
+    "StepProfile",
+    "candidates",
+    "check_step",
+    "profile_step",
+]
+
+
+@dataclass(frozen=True)
+class OpProfile:
+    """One op of a block's forward, as profiled.
+
+    Attributes:
+        op: the operator.
+        call: how many times ``op`` ran before in the block's forward (with ``op``, the key a
+            plan's policy knows it by).
+        seconds: the op's own time in the forward pass.
+        flops: its floating-point operations, where torch has a formula (matmuls, attention,
+            convolutions), else 0.
+        saved_bytes: bytes of its outputs that the block saves for backward when kept.
+        other_bytes: bytes of its outputs that nothing saves for backward.
+        smallest_output: bytes of its smallest output tensor (tiny tensors are never offloaded).
+        recomputed: whether a recomputation of the block runs it (the ops after the last save
+            never run again).
+        cacheable: whether a policy may keep its output: a real op (not a view, not writing into
+            an input) whose outputs no other part of the step saves and no in-place op changes.
+    """
+
+    op: OpOverload
+    call: int
+    seconds: float
+    flops: int
+    saved_bytes: int
+    other_bytes: int
+    smallest_output: int
+    recomputed: bool
+    cacheable: bool
+
+
+@dataclass(frozen=True)
+class InputProfile:
+    """One input a checkpoint of a block keeps.
+
+    Attributes:
+        nbytes: bytes of its storage.
+        tensor_bytes: bytes of the tensor itself (what offloading it copies, and what the
+            tiny-tensor rule looks at).
+        saved: whether the block's own ops save it too when the block is kept.
+    """
+
+    nbytes: int
+    tensor_bytes: int
+    saved: bool
+
+
+@dataclass(frozen=True)
+class BlockProfile:
+    """One block, as profiled.
+
+    Attributes:
+        name: the block's qualified name in the model.
+        ops: the ops of its forward, in order.
+        inputs: the inputs a checkpoint of it keeps.
+        input_bytes: bytes of its inputs that a checkpoint of it keeps (not the model's
+            parameters or buffers, nor tensors that other parts of the step save too).
+        saved_bytes: bytes its forward saves for backward when it is kept.
+        saved_and_input_bytes: bytes of those two sets together (the input is often saved).
+        forward_seconds: op time of its forward pass.
+        backward_seconds: op time of its backward pass, recomputation left out.
+        recompute_seconds: wall time of its recomputation (median over the timed rounds).
+        forward_ops: ops its forward runs (each pays a selective policy's dispatch).
+        recompute_ops: ops its recomputation runs.
+    """
+
+    name: str
+    ops: tuple[OpProfile, ...]
+    inputs: tuple[InputProfile, ...]
+    input_bytes: int
+    saved_bytes: int
+    saved_and_input_bytes: int
+    forward_seconds: float
+    backward_seconds: float
+    recompute_seconds: float
+    forward_ops: int
+    recompute_ops: int
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """What one profiled step says about a model's blocks: the inputs of the cost model.
+
+    Made by `profile_step`; every figure can be replaced (``dataclasses.replace``) to plan for
+    another machine, such as ``bandwidth`` of a GPU's host link on a CPU-only one.
+
+    Attributes:
+        blocks: one `BlockProfile` per block, in forward order.
+        device: the device the step ran on (``"cpu"``, ``"cuda:0"``).
+        fixed_bytes: bytes saved for backward that the plan does not change and that are held
+            the whole step: saved outside the blocks before the last one ends (embeddings), or
+            saved by more than one part of the step.
+        after_bytes: bytes saved after the last block (final norm, head, loss), released
+            before the blocks' backward starts.
+        after_forward_seconds: op time of the forward after the last block.
+        after_backward_seconds: op time of the backward of that part.
+        checkpointed_step_seconds: the step with every block recomputed (median): predicted
+            step times are this, plus or minus what each block's choice changes.
+        unplanned_step_seconds: the step with no plan (median), or None if it was not timed.
+        checkpoint_overhead_seconds: what checkpointing a block costs beyond its recomputation
+            (hooks, RNG state), per block; 0 when the unplanned step was not timed.
+        policy_op_seconds: what a selective policy costs per op it sees, forward and
+            recomputation.
+        cached_op_seconds: what a policy costs per op whose output it caches (the entry in
+            the forward pass, handing it back in recomputation), beyond that op's own time
+            saved; 0 when the unplanned step was not timed (caching every op is timed with it).
+        bandwidth: host↔device bytes per second of pinned copies (the slower direction),
+            measured on CUDA; None on a CPU, where there is no link.
+        checkpointed_peak_bytes: the measured peak of the profiled step (every block
+            recomputed), device bytes held for backward.
+        unplanned_peak_bytes: the measured peak with no plan, or None if not run.
+    """
+
+    blocks: tuple[BlockProfile, ...]
+    device: str
+    fixed_bytes: int
+    after_bytes: int
+    after_forward_seconds: float
+    after_backward_seconds: float
+    checkpointed_step_seconds: float
+    unplanned_step_seconds: float | None
+    checkpoint_overhead_seconds: float
+    policy_op_seconds: float
+    cached_op_seconds: float
+    bandwidth: float | None
+    checkpointed_peak_bytes: int
+    unplanned_peak_bytes: int | None
+
+
+def _block_profile(
+    recorder: Recorder, index: int, name: str, shared: set[int], recompute_seconds: float
+) -> BlockProfile:
+    saved = recorder.saved
+    kept = {item for item in recorder.kept_by[index] if item not in shared}
+    inputs = {item for item in recorder.inputs_of[index] if item not in shared}
+    recomputed = recorder.recomputed[index]
+    ops = []
+    for record in recorder.ops[index]:
+        in_block, unsaved = [], []
+        elsewhere = any(item in recorder.mutated for item, _, _ in record.outputs)
+        for item, nbytes, _ in record.outputs:
+            if item in kept:
+                in_block.append(nbytes)
+            elif item in saved:
+                elsewhere = True  # saved by another part too (shared), or only by another
+            else:
+                unsaved.append(nbytes)
+        again = record.call < recomputed.get(record.op, 0)
+        ops.append(
+            OpProfile(
+                op=record.op,
+                call=record.call,
+                seconds=record.seconds,
+                flops=record.flops,
+                saved_bytes=sum(in_block),
+                other_bytes=sum(unsaved),
+                smallest_output=min((size for _, _, size in record.outputs), default=0),
+                recomputed=again,
+                cacheable=again and not record.alias and not elsewhere and bool(record.outputs),
+            )
+        )
+    return BlockProfile(
+        name=name,
+        ops=tuple(ops),
+        inputs=tuple(
+            InputProfile(saved[item].nbytes, recorder.tensor_bytes[item], item in kept)
+            for item in sorted(inputs)
+        ),
+        input_bytes=sum(saved[item].nbytes for item in inputs),
+        saved_bytes=sum(saved[item].nbytes for item in kept),
+        saved_and_input_bytes=sum(saved[item].nbytes for item in kept | inputs),
+        forward_seconds=recorder.forward_seconds[index],
+        backward_seconds=recorder.backward_seconds[index],
+        recompute_seconds=recompute_seconds,
+        forward_ops=len(recorder.ops[index]),
+        recompute_ops=sum(recomputed.values()),
+    )
+
+
+def _shared(recorder: Recorder) -> set[int]:
+    """Storages held the whole step: saved outside the blocks before the last, or twice."""
+    return {
+        item
+        for item, record in recorder.saved.items()
+        if len(record.parts) > 1 or record.parts & {BEFORE, BETWEEN}
+    }
+
+
+def _blocks(recorder: Recorder, names: list[str]) -> tuple[BlockProfile, ...]:
+    """The blocks as the instrumented step saw them (recomputation not timed yet)."""
+    recorder.merge_remade()
+    shared = _shared(recorder)
+    return tuple(
+        _block_profile(recorder, index, name, shared, 0.0) for index, name in enumerate(names)
+    )
+
+
+def candidates(blocks: Sequence[BlockProfile]) -> list[list[tuple[OpOverload, int]]]:
+    """Each block's ops a plan may cache: cacheable, and taking time to recompute."""
+    return [
+        [(op.op, op.call) for op in block.ops if op.cacheable and op.seconds > 0]
+        for block in blocks
+    ]
+
+
+def _summary(
+    blocks: tuple[BlockProfile, ...],
+    recorder: Recorder,
+    timings: Timings,
+    bandwidth: float | None,
+    device: torch.device,
+) -> StepProfile:
+    count = len(blocks)
+    shared = _shared(recorder)
+    after = {item for item, record in recorder.saved.items() if record.parts == {count}}
+    recompute = [median([row[index] for row in timings.recompute]) for index in range(count)]
+    blocks = tuple(
+        dataclasses.replace(block, recompute_seconds=seconds)
+        for block, seconds in zip(blocks, recompute, strict=True)
+    )
+    checkpointed = median(timings.checkpointed)
+    unplanned = median(timings.unplanned) if timings.unplanned else None
+    overhead = 0.0
+    if unplanned is not None:
+        overhead = max(0.0, (checkpointed - unplanned - sum(recompute)) / count)
+    ops = sum(block.forward_ops + block.recompute_ops for block in blocks)
+    policy = [
+        (with_policy - without) / max(ops, 1)
+        for with_policy, without in zip(timings.policy, timings.checkpointed, strict=True)
+    ]
+    cached = candidates(blocks)
+    count_cached = sum(len(keys) for keys in cached)
+    recompute_cached = sum(
+        op.seconds for block in blocks for op in block.ops if op.cacheable and op.seconds > 0
+    )
+    per_cached = [
+        (with_cache - without + recompute_cached) / max(count_cached, 1)
+        for with_cache, without in zip(timings.cached, timings.policy, strict=False)
+    ]
+    return StepProfile(
+        blocks=blocks,
+        device=str(device),
+        fixed_bytes=sum(recorder.saved[item].nbytes for item in shared),
+        after_bytes=sum(recorder.saved[item].nbytes for item in after),
+        after_forward_seconds=recorder.forward_seconds[count],
+        after_backward_seconds=recorder.backward_seconds[count],
+        checkpointed_step_seconds=checkpointed,
+        unplanned_step_seconds=unplanned,
+        checkpoint_overhead_seconds=overhead,
+        policy_op_seconds=max(0.0, median(policy)),
+        cached_op_seconds=max(0.0, median(per_cached)),
+        bandwidth=bandwidth,
+        checkpointed_peak_bytes=timings.checkpointed_peak,
+        unplanned_peak_bytes=timings.unplanned_peak,
+    )
+
+
+def check_step(step: object, caller: str) -> Callable[[], object]:
+    """``step``, checked to be callable.
+
+    Raises:
+        PlanArgumentTypeError: if it is not.
+    """
+    if not callable(step):
+        raise PlanArgumentTypeError(
+            f"{caller}: step must be a function that runs one forward and backward, got "
+            f"{step!r} of type {type(step).__name__}"
+        )
+    return step
+
+
+def profile_step(
+    model: nn.Module,
+    step: Callable[[], object],
+    *,
+    blocks: Sequence[nn.Module] | None = None,
+    rounds: int = 3,
+    unplanned: bool = True,
+    device: torch.device | str | None = None,
+) -> StepProfile:
+    """Profile one training step of ``model``: what each op of each block saves and costs.
+
+    The step runs once with every block checkpointed under a dispatch mode that times each op
+    (the clock on a CPU, CUDA events on a GPU) and counts its FLOPs, with saved-tensor hooks
+    that see what each block's recomputation keeps for backward; then it is timed over
+    ``rounds`` interleaved rounds with every block recomputed, with a policy that caches
+    nothing (what a policy's dispatch costs), and with no plan (unless ``unplanned=False``). On
+    CUDA the pinned host↔device bandwidth is measured once per process. `plan_activations`
+    takes the result, so several budgets can be planned from one profile.
+
+    Example:
+        >>> import torch, tensorhooks
+        >>> layer = lambda: torch.nn.Sequential(
+        ...     torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+        >>> model = torch.nn.Sequential(*(layer() for _ in range(3)))
+        >>> x = torch.randn(8, 16)
+        >>> profile = tensorhooks.profile_step(model, lambda: model(x).sum().backward())
+        >>> [block.name for block in profile.blocks]
+        ['0', '1', '2']
+        >>> profile.blocks[1].saved_bytes   # its input (8 x 16 floats) and two 8 x 64 tensors
+        4608
+
+    Args:
+        model: the model the step trains.
+        step: runs one forward and backward the way training does (no optimizer step: it is
+            called several times), with the same shapes. The parameters' ``.grad`` are put
+            back as they were after the profiled steps.
+        blocks: the modules to plan, each run once per step; default: the longest run of
+            repeated children (`model.model.layers` of a Hugging Face model).
+        rounds: timed rounds of each variant (one more warms up).
+        unplanned: also time (and measure) the step with no plan; pass False when it does not
+            fit in memory, and the cost of checkpointing a block beyond its recomputation is
+            then taken as 0.
+        device: the device the step computes on; default: CUDA if a parameter or buffer is
+            there, else the CPU.
+
+    Returns:
+        The `StepProfile`.
+
+    Raises:
+        PlanArgumentTypeError: if ``model`` is not an ``nn.Module``, a block is not one, or
+            ``step`` is not callable (a ``TypeError``).
+        PlanArgumentValueError: if ``rounds`` is not a positive int, or the blocks are not
+            distinct submodules of the model (a ``ValueError``).
+        PlanStateError: if a block runs twice in the step or not at all (a ``RuntimeError``).
+    """
+    named = resolve_blocks(model, blocks, "profile_step")
+    check_step(step, "profile_step")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise PlanArgumentValueError(f"profile_step: rounds must be an int >= 1, got {rounds!r}")
+    modules = [module for _, module in named]
+    where = device_of(model, device)
+    clock = StepClock(where)
+    with grads_kept(model):
+        measured_peak(model, modules, [FULL] * len(modules), step)  # warms up the op times
+        recorder = instrumented(model, modules, step, clock)
+        recorder.fastest(instrumented(model, modules, step, clock))
+        profiled = _blocks(recorder, [name for name, _ in named])
+        timings = timed(
+            model,
+            modules,
+            step,
+            clock,
+            rounds=rounds,
+            unplanned=unplanned,
+            candidates=candidates(profiled),
+        )
+    bandwidth = measured_bandwidth(where) if where.type == "cuda" else None
+    return _summary(profiled, recorder, timings, bandwidth, where)

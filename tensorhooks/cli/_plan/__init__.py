@@ -1,0 +1,1 @@
+"""``python -m tensorhooks plan``: the planner on the demo's tiny Llama, with a chart."""
