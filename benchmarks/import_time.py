@@ -15,6 +15,8 @@ import statistics
 import subprocess
 import sys
 
+from harness import Spread, check_target
+
 TARGET_SECONDS = 0.15
 
 _PROBE = """
@@ -56,11 +58,11 @@ def main() -> int:
         f"({min(extra):.3f}-{max(extra):.3f})"
     )
     print(f"torch._dynamo imported by tensorhooks: {any(r['dynamo'] for r in results)}")
-    met = statistics.median(extra) <= TARGET_SECONDS
-    verdict = "target met" if met else "TARGET MISSED"
-    print(
-        f"{verdict}: import tensorhooks adds {statistics.median(extra):.3f} s (target <= "
-        f"{TARGET_SECONDS} s)"
+    check_target(
+        "seconds import tensorhooks adds to import torch",
+        Spread.of(extra),
+        at_most=TARGET_SECONDS,
+        unit=" s",
     )
     return 0
 

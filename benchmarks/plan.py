@@ -99,9 +99,9 @@ def check_peaks(label: str, rows: Sequence[Measured]) -> bool:
         abs(row.peak_bytes - row.plan.predicted_peak_bytes) / row.plan.predicted_peak_bytes
         for row in rows
     )
-    within = check_target(f"{label}: largest measured peak / budget", over, at_most=1.0)
+    within = check_target(f"{label}: largest measured peak / budget", over, at_most=1.0, exact=True)
     close = check_target(
-        f"{label}: largest |measured - predicted| / predicted", error, at_most=0.05
+        f"{label}: largest |measured - predicted| / predicted", error, at_most=0.05, exact=True
     )
     return within and close
 

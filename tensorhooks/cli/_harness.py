@@ -226,17 +226,28 @@ def print_table(title: str, timings: Timings, baseline: str, *, file: TextIO | N
         print(f"| {name} | {step} | {ratio} |", file=file)
 
 
+def _reading(spread: Spread, bound: float, exact: bool, *, at_least: bool) -> TargetVerdict:
+    if not exact:
+        return target_verdict(spread, bound, at_least=at_least)
+    met = spread.low >= bound if at_least else spread.high <= bound
+    return TargetVerdict.MET if met else TargetVerdict.MISSED
+
+
 def check_target(
     label: str,
     value: Spread | float,
     *,
     at_most: float | None = None,
     at_least: float | None = None,
+    exact: bool = False,
+    unit: str = "x",
 ) -> bool:
     """Print whether ``value`` meets its target, read by `target_verdict`; True when it is met.
 
     A ``value`` that is one number is read as a spread written down (its one value as its
-    range); give the rounds' `Spread` wherever there are rounds.
+    range); give the rounds' `Spread` wherever there are rounds. ``exact`` says the value is a
+    count that does not vary between runs (bytes held, not a time): it is then compared with the
+    bound as it is, with no noise margin.
 
     Example:
         >>> check_target("speedup over torch", 1.5, at_least=1.6)
@@ -245,23 +256,28 @@ def check_target(
         >>> check_target("step, tensorhooks / torch", Spread(0.97, 1.04, 1.15, 11), at_most=1.10)
         target not decidable: step, tensorhooks / torch 1.04x (0.97-1.15) (target <= 1.10)
         False
+        >>> check_target("peak / budget", 1.0, at_most=1.0, exact=True)
+        target met: peak / budget 1.00 (target <= 1.00)
+        True
 
     Args:
         label: what the value is, in words.
         value: the ratio's rounds, or one figure.
         at_most: the target is at most this (give this or ``at_least``).
         at_least: the target is at least this.
+        exact: the value is a count, not a timing: no noise margin.
+        unit: how the value is written after its figures (a ratio's ``x``, or `` s``).
 
     Returns:
         Whether the target is met; missed and not decidable both give False.
     """
     spread = value if isinstance(value, Spread) else Spread(value, value, value)
-    shown = spread.format() if isinstance(value, Spread) else f"{value:.2f}"
+    shown = spread.format(unit) if isinstance(value, Spread) else f"{value:.2f}"
     if at_most is not None:
-        reading, bound = target_verdict(spread, at_most), f"<= {at_most:.2f}"
+        reading, bound = _reading(spread, at_most, exact, at_least=False), f"<= {at_most:.2f}"
     else:
         assert at_least is not None, "check_target needs at_most or at_least"
-        reading, bound = target_verdict(spread, at_least, at_least=True), f">= {at_least:.2f}"
+        reading, bound = _reading(spread, at_least, exact, at_least=True), f">= {at_least:.2f}"
     print(f"{TARGET_MARKERS[reading]} {label} {shown} (target {bound})")
     return reading is TargetVerdict.MET
 
