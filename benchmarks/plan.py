@@ -216,8 +216,14 @@ def main() -> int:
         "--bandwidth", type=float, default=2.0, help="simulated host link for part 2, GB/s"
     )
     parser.add_argument("--out", type=Path, default=Path("plan-out"))
+    parser.add_argument(
+        "--gpu", action="store_true", help="the GPU part only (what benchmarks/gpu.py runs)"
+    )
     options = parser.parse_args()
     options.out.mkdir(parents=True, exist_ok=True)
+    if options.gpu:
+        gpu_rows(options.rounds, options.quick, options.out)
+        return 0
     series = cpu_rows(options.rounds, options.quick, options.bandwidth * 1e9)
     caption = "plan_activations on CPU (one thread): " + "; ".join(label for label, _ in series)
     write_chart(series, options.out / "plan.png", caption)

@@ -18,7 +18,7 @@ from .record import FAILED, OK, SKIPPED, TIMEOUT, Recorder, Target
 
 PART = "planner"
 SCRIPT = ("benchmarks", "plan.py")
-ARGS = ("--gpu",)
+ARGS = ("--gpu", "--rounds", "3")  # the part has 30 s: three rounds of each plan
 TARGET_LINE = re.compile(r"^(target met|TARGET MISSED): (.*)$")
 CHECKED = re.compile(
     r"^(?P<label>.*) (?P<value>\S+) \(target (?P<bound>[^)]*)\)$"
@@ -76,7 +76,7 @@ def run(rec: Recorder, ctx: Any) -> None:
         return
     log = ctx.scratch / "plan.log"
     finished = run_logged(
-        [sys.executable, str(script), *ARGS],
+        [sys.executable, str(script), *ARGS, "--out", str(ctx.scratch)],
         log=log,
         limit_s=max(ctx.seconds_left() - 5, 1),
         cwd=ctx.root,

@@ -540,7 +540,7 @@ class TestParsers:
         script.parent.mkdir()
         script.write_text(
             "import sys\n"
-            "assert sys.argv[1:] == ['--gpu']\n"
+            f"assert sys.argv[1:] == ['--gpu', '--rounds', '3', '--out', {str(tmp_path)!r}]\n"
             "print('rows')\nprint('| a | b |')\nprint('|---|---|')\nprint('| 1 | 2 |')\n"
             "print('target met: fits 0.90 (target <= 1.00)')\n"
         )
