@@ -29,7 +29,9 @@ same situation, so code written against ``torch.autograd.graph`` (``except Runti
   backward: `GradientSyncError` (``RuntimeError``).
 * the graph-task store, used outside backward: `GraphTaskError` (``RuntimeError``).
 * ``tensorhooks.testing``, hooks or a context that changed a gradient: its
-  ``GradientMismatchError`` (``AssertionError``), defined there with the checkers that raise it.
+  ``GradientMismatchError`` (``AssertionError``), defined there with the checkers that raise it;
+  a strategy or checker option it does not know: its ``CheckArgumentValueError``
+  (``ValueError``).
 
 Earlier names stay importable as aliases of the same classes: ``InvalidHookArgumentError``
 (`HookArgumentTypeError`), ``InvalidHookModeError`` (`HookArgumentValueError`),
