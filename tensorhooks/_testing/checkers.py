@@ -7,13 +7,15 @@ NOTE [Rounding, not wrong gradients] for how gradients are compared.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 
+from tensorhooks._checkpoint import checkpoint as tensorhooks_checkpoint
+from tensorhooks._core.torch_compat import TorchDispatchMode, op_schema
 from tensorhooks._hooks import saved_tensors_hooks
 
 from .errors import GradientMismatchError
@@ -184,7 +186,7 @@ class Verdict:
     def _perturbation(self, seed: int) -> ContextFactory:
         return lambda: Perturbation(seed, self.precision)
 
-    def fail(self, what: str, plain: Outcome, got: Outcome) -> None:
+    def fail(self, what: str, plain: Outcome, got: Outcome) -> NoReturn:
         """Raise GradientMismatchError: ``what`` the run did, both outcomes, the subject."""
         raise GradientMismatchError(
             f"{self.subject} {what}.\nplain autograd: {plain}\n{self.subject}: {got}\n{self.shown}"
@@ -194,28 +196,53 @@ class Verdict:
 class _Inline:
     """Runs each checkpoint region as plain autograd: its function called on its arguments.
 
-    It also notes what the region read, to tell later whether any of it was written after the
-    read: the tensor arguments (versions before the call) and the tensors in the function's
-    closure (versions after the call, so that state the region writes itself does not count).
+    It also notes what explains autograd's in-place error from a checkpointed run where plain
+    autograd succeeds: a tensor the region read written after the read (its tensor arguments,
+    versions before the call; the tensors in the function's closure, versions after the call,
+    so that state the region writes itself does not count), or a region under a selective
+    policy (``context_fn``) that writes in place (a saved output written later is refused).
     """
 
     def __init__(self) -> None:
         self.read: list[tuple[torch.Tensor, int]] = []
+        self.policy_writes = False
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        policy = kwargs.get("context_fn") is not None
         for keyword in _CHECKPOINT_KEYWORDS:
             kwargs.pop(keyword, None)
         self.read.extend((tensor, tensor._version) for tensor in tensors_in([args, kwargs]))
-        result = function(*args, **kwargs)
+        with _Writes() if policy else contextlib.nullcontext() as writes:
+            result = function(*args, **kwargs)
+        self.policy_writes |= writes is not None and writes.seen
         for cell in getattr(function, "__closure__", None) or ():
             with contextlib.suppress(ValueError):  # an empty cell
                 self.read.extend((t, t._version) for t in tensors_in([cell.cell_contents]))
         return result
 
     @property
-    def changed(self) -> bool:
-        """Whether a tensor a region read was written after it was read."""
-        return any(tensor._version != version for tensor, version in self.read)
+    def explains_inplace_error(self) -> bool:
+        """Whether a region read a tensor written later, or wrote in place under a policy."""
+        return self.policy_writes or any(t._version != version for t, version in self.read)
+
+
+class _Writes(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
+    """Notes whether an op wrote one of its arguments in place."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's __init__ is untyped
+        self.seen = False
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        arguments = op_schema(func).arguments
+        self.seen |= any(a.alias_info is not None and a.alias_info.is_write for a in arguments)
+        return func(*args, **(kwargs or {}))
 
 
 def tensors_in(value: Any) -> Iterator[torch.Tensor]:
@@ -249,6 +276,7 @@ def _program_verdict(
     rtol: float,
     atol: float,
     precision: torch.dtype | None,
+    subject: str = "the context",
 ) -> Verdict:
     inline = _program_runner(program, _Inline)
     return Verdict(
@@ -259,6 +287,7 @@ def _program_verdict(
         rtol=rtol,
         atol=atol,
         precision=precision,
+        subject=subject,
     )
 
 
@@ -333,7 +362,9 @@ def check_checkpoint(
     gradient. Since a region saves its arguments and reads its outside tensors again in
     recomputation, autograd's in-place error is also accepted where plain autograd succeeds if
     one of those was written after the region read it (tensorhooks raises then, unless the
-    context keeps the value). Gradients are compared as `check_program` compares them.
+    context keeps the value), or if a region under a selective policy writes in place (a
+    policy refuses a saved output written later). Gradients are compared as `check_program`
+    compares them.
 
     Example:
         >>> import torch
@@ -363,21 +394,24 @@ def check_checkpoint(
         GradientMismatchError: when the checkpointed run gave another gradient or state, or
             raised where neither plain autograd nor a changed input explains it.
     """
-    if checkpoint is None:
-        from tensorhooks._checkpoint import checkpoint as default  # noqa: PLC0415 (wing, on use)
-
-        checkpoint = default
-    regions = checkpoint
+    regions = checkpoint if checkpoint is not None else tensorhooks_checkpoint
     inline = _program_runner(program, _Inline)
     runs = "as written, and with each region's function called directly"
-    verdict = _program_verdict(program, inline, runs, rtol=rtol, atol=atol, precision=precision)
-    verdict.subject = "the checkpointed run"
+    verdict = _program_verdict(
+        program,
+        inline,
+        runs,
+        rtol=rtol,
+        atol=atol,
+        precision=precision,
+        subject="the checkpointed run",
+    )
     read = _Inline()
     plain = outcome(lambda: program.run(program.make_leaves(), checkpoint=read), None)
     if plain.error is not None and not plain.inplace_error and verdict.save_time(None).error:
         return False
     got = _program_runner(program, lambda: regions)(context_factory)
-    verdict.judge(plain, got, inplace_allowed=read.changed)
+    verdict.judge(plain, got, inplace_allowed=read.explains_inplace_error)
     return True
 
 

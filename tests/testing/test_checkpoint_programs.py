@@ -46,8 +46,14 @@ KINDS: dict[str, tuple[str, ...]] = {
 }
 
 
+def _examples(divisor: int) -> int:
+    """A share of the active profile's examples: twelve combinations are checked."""
+    return max(10, (settings().max_examples or 100) // divisor)
+
+
 @pytest.mark.parametrize("context", sorted(CONTEXTS))
 @pytest.mark.parametrize("kinds", sorted(KINDS))
+@settings(max_examples=_examples(2))
 @given(data=st.data())
 def test_tensorhooks_checkpoint_matches_plain_autograd(
     kinds: str, context: str, data: st.DataObject
