@@ -12,7 +12,13 @@ from hypothesis import assume, given
 
 import tensorhooks
 from tensorhooks._testing.rounding import Perturbation, tolerances
-from tensorhooks.testing import GradientMismatchError, Program, check_program, programs
+from tensorhooks.testing import (
+    GradientMismatchError,
+    Program,
+    assert_hooks_preserve_gradients,
+    check_program,
+    programs,
+)
 
 from .limits import known_limitation
 
@@ -124,3 +130,30 @@ def test_tolerance_is_zero_where_rounding_moves_nothing() -> None:
     assert tolerances(exact, [[torch.ones(3), None], None]) == [0.0, 0.0]
     moved = tolerances(exact, [[torch.tensor([1.0, 1.5, 1.0]), None]])
     assert moved[0] == pytest.approx(4 * 0.5)
+
+
+def _pack_bf16(tensor: torch.Tensor) -> tuple[torch.dtype, torch.Tensor]:
+    return tensor.dtype, tensor.detach().to(torch.bfloat16)
+
+
+def _unpack_bf16(packed: tuple[torch.dtype, torch.Tensor]) -> torch.Tensor:
+    return packed[1].to(packed[0])
+
+
+def test_a_bfloat16_pair_passes_with_its_precision() -> None:
+    """precision=torch.bfloat16 accepts bfloat16 rounding however large the gradients grow."""
+    assert_hooks_preserve_gradients(_pack_bf16, _unpack_bf16, precision=torch.bfloat16)
+
+
+def test_a_broken_bfloat16_pair_fails_with_its_precision() -> None:
+    """The bfloat16 tolerance still reports a pair that also loses the strides."""
+
+    def pack(tensor: torch.Tensor) -> tuple[torch.Size, torch.dtype, torch.Tensor]:
+        copy = tensor.detach().to(torch.bfloat16).clone()
+        return tensor.shape, tensor.dtype, copy.as_strided((copy.numel(),), (1,))
+
+    def unpack(packed: tuple[torch.Size, torch.dtype, torch.Tensor]) -> torch.Tensor:
+        return packed[2].view(packed[0]).to(packed[1])
+
+    with pytest.raises(GradientMismatchError, match=r"rounding allowed up to"):
+        assert_hooks_preserve_gradients(pack, unpack, precision=torch.bfloat16, max_examples=200)
