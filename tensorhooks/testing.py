@@ -11,8 +11,9 @@ does not.
 The check, per program: when plain autograd succeeds, the hooks must give the same gradients;
 when plain autograd raises its in-place error (a saved tensor was changed before backward), the
 hooks must either raise that error too or give the gradient of the values at save time (what
-autograd computes when pack copies every saved tensor); never a third result. On failure the
-error shows the shrunk program as Python you can run.
+autograd computes when pack copies every saved tensor); never a third result. Gradients are
+compared bitwise, or where they differ, within the rounding the computation itself shows (see
+`check_program`). On failure the error shows the shrunk program as Python you can run.
 """
 
 from __future__ import annotations
@@ -26,20 +27,25 @@ except ImportError as error:  # pragma: no cover (the test extra installs it)
     ) from error
 
 from ._testing.checkers import (
-    GradientMismatchError,
     assert_context_preserves_gradients,
     assert_hooks_preserve_gradients,
+    check_checkpoint,
     check_program,
 )
+from ._testing.errors import CheckArgumentValueError, GradientMismatchError
+from ._testing.modules import check_module
 from ._testing.programs import Program, SavedOutputExp, Square, programs
 
 __all__ = [
+    "CheckArgumentValueError",
     "GradientMismatchError",
     "Program",
     "SavedOutputExp",
     "Square",
     "assert_context_preserves_gradients",
     "assert_hooks_preserve_gradients",
+    "check_checkpoint",
+    "check_module",
     "check_program",
     "programs",
 ]

@@ -97,6 +97,7 @@ FROM_TORCH = {
 # class of ``tensorhooks.__all__`` and of ``tensorhooks.testing.__all__`` is listed under its
 # class name (checked below, so a new class cannot be forgotten).
 BUILTINS: dict[str, tuple[type[BaseException], ...]] = {
+    "CheckArgumentValueError": (ValueError,),
     "CheckpointArgumentTypeError": (TypeError,),
     "CheckpointArgumentValueError": (ValueError,),
     "GradientMismatchError": (AssertionError,),

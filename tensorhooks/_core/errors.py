@@ -34,7 +34,9 @@ same situation, so code written against ``torch.autograd.graph`` (``except Runti
   (``ValueError``); a plan applied twice, or a step that does not run as profiled:
   `PlanStateError` (``RuntimeError``).
 * ``tensorhooks.testing``, hooks or a context that changed a gradient: its
-  ``GradientMismatchError`` (``AssertionError``), defined there with the checkers that raise it.
+  ``GradientMismatchError`` (``AssertionError``), defined there with the checkers that raise it;
+  a strategy or checker option it does not know: its ``CheckArgumentValueError``
+  (``ValueError``).
 
 Earlier names stay importable as aliases of the same classes: ``InvalidHookArgumentError``
 (`HookArgumentTypeError`), ``InvalidHookModeError`` (`HookArgumentValueError`),

@@ -1,58 +1,68 @@
 """The checkers of `tensorhooks.testing`: run programs with and without hooks, compare.
 
-See the module docstring of `tensorhooks.testing` for what a check asserts.
+See the module docstring of `tensorhooks.testing` for what a check asserts, and
+NOTE [Rounding, not wrong gradients] for how gradients are compared.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 
-from tensorhooks._core.errors import TensorHooksError
+from tensorhooks._checkpoint import checkpoint as tensorhooks_checkpoint
+from tensorhooks._core.torch_compat import TorchDispatchMode, op_schema
 from tensorhooks._hooks import saved_tensors_hooks
 
-from .programs import Program, SavedOutputExp, Square, programs
+from .errors import GradientMismatchError
+from .programs import BACKWARDS, Program, programs
+from .rounding import RUNS, Perturbation, differences, tolerances
 
 __all__ = [
-    "GradientMismatchError",
-    "Program",
-    "SavedOutputExp",
-    "Square",
+    "ContextFactory",
+    "Outcome",
+    "Verdict",
     "assert_context_preserves_gradients",
     "assert_hooks_preserve_gradients",
+    "check_checkpoint",
     "check_program",
-    "programs",
+    "copying_hooks",
+    "outcome",
+    "tensors_in",
+    "within",
 ]
 
 ContextFactory = Callable[[], AbstractContextManager[Any]]
+Results = list[torch.Tensor | None]
 _INPLACE_ERROR = "modified by an inplace operation"
+# Keywords of torch's checkpoint (and tensorhooks'), which a region's function never sees.
+_CHECKPOINT_KEYWORDS = (
+    "context_fn",
+    "debug",
+    "determinism_check",
+    "early_stop",
+    "preserve_rng_state",
+    "respect_saved_tensors_hooks",
+    "use_reentrant",
+)
 
 
-class GradientMismatchError(TensorHooksError, AssertionError):
-    """Hooks or a context changed what backward computes; the message holds the program.
+class Outcome:
+    """What one run gave: its results (gradients, then any state), or the exception it raised."""
 
-    An ``AssertionError``, as a test's failed check is, and a `tensorhooks.TensorHooksError`.
-    """
+    __slots__ = ("error", "grads")
 
-
-class _Outcome:
-    """What one run gave: gradients, or the exception it raised (and where)."""
-
-    __slots__ = ("error", "grads", "stage")
-
-    def __init__(
-        self, grads: list[torch.Tensor | None] | None, error: BaseException | None, stage: str
-    ) -> None:
+    def __init__(self, grads: Results | None, error: BaseException | None) -> None:
         self.grads = grads
         self.error = error
-        self.stage = stage
 
     @property
     def inplace_error(self) -> bool:
+        """Whether the run raised autograd's in-place error (or one worded like it)."""
         return isinstance(self.error, RuntimeError) and _INPLACE_ERROR in str(self.error)
 
     def __str__(self) -> str:
@@ -61,45 +71,224 @@ class _Outcome:
         return f"gradients {self.grads}"
 
 
-def _run(program: Program, context: ContextFactory | None) -> _Outcome:
-    leaves = program.make_leaves()
+def outcome(step: Callable[[], Results], context: ContextFactory | None) -> Outcome:
+    """Run ``step()`` inside ``context()`` (if any); what it returned, or what it raised."""
     try:
         if context is None:
-            grads = program.run(leaves)
+            grads = step()
         else:
             with context():
-                grads = program.run(leaves)
+                grads = step()
     except Exception as error:
-        return _Outcome(None, error, "run")
-    return _Outcome(grads, None, "run")
+        return Outcome(None, error)
+    return Outcome(grads, None)
 
 
-def _copying_hooks() -> AbstractContextManager[None]:
-    # torch's own pair copying every saved tensor at save time: the save-time reference.
+def within(*factories: ContextFactory | None) -> ContextFactory:
+    """A context factory entering each of ``factories`` (None skipped), the first outermost."""
+
+    @contextlib.contextmanager
+    def enter() -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for factory in factories:
+                if factory is not None:
+                    stack.enter_context(factory())
+            yield
+
+    return enter
+
+
+def copying_hooks() -> AbstractContextManager[None]:
+    """Torch's own pair copying every saved tensor at save time: the save-time reference."""
     return torch.autograd.graph.saved_tensors_hooks(
         lambda tensor: tensor.detach().clone(), lambda tensor: tensor
     )
 
 
-def _same(
-    want: Sequence[torch.Tensor | None],
-    have: Sequence[torch.Tensor | None],
+Runner = Callable[[ContextFactory | None], Outcome]
+
+
+class Verdict:
+    """Judges a run against plain autograd's: same gradients, or its in-place error, or save-time.
+
+    Args:
+        reference: runs plain autograd's variant of the subject under a context (None: none).
+        save_time: runs plain autograd under a context that copies every saved tensor at save.
+        shown: what a failure's message ends with (the program as Python).
+        label: names result ``i`` in messages.
+        subject: what ran the run under test, as messages name it.
+        rtol, atol, precision: the comparison's; see NOTE [Rounding, not wrong gradients].
+    """
+
+    def __init__(
+        self,
+        reference: Runner,
+        save_time: Runner,
+        shown: str,
+        label: Callable[[int], str],
+        *,
+        rtol: float,
+        atol: float,
+        precision: torch.dtype | None,
+        subject: str = "the context",
+    ) -> None:
+        self.subject = subject
+        self.reference = reference
+        self.save_time = save_time
+        self.shown = shown
+        self.label = label
+        self.rtol, self.atol, self.precision = rtol, atol, precision
+
+    def judge(self, plain: Outcome, got: Outcome, *, inplace_allowed: bool = False) -> None:
+        """Raise GradientMismatchError unless ``got`` is one of the results plain allows.
+
+        ``inplace_allowed``: autograd's in-place error is accepted where plain autograd succeeds.
+        """
+        if plain.error is None:
+            if got.error is not None:
+                if not (inplace_allowed and got.inplace_error):
+                    self.fail("raised where plain autograd does not", plain, got)
+                return
+            difference = self._differences(plain, got, self.reference)
+            if difference is not None:
+                self.fail(f"changed a gradient ({difference})", plain, got)
+            return
+        if got.inplace_error:
+            return
+        save_time = self.save_time(None)
+        if got.error is not None:
+            if save_time.error is None:
+                self.fail("raised neither the in-place error nor a gradient", plain, got)
+            return
+        if save_time.error is not None:
+            self.fail("gave a gradient where autograd raises its in-place error", plain, got)
+        difference = self._differences(save_time, got, self.save_time)
+        if difference is not None:
+            self.fail(
+                "gave a gradient that is neither the save-time one nor autograd's in-place error "
+                f"({difference})",
+                plain,
+                got,
+            )
+
+    def _differences(self, want: Outcome, got: Outcome, again: Runner) -> str | None:
+        assert want.grads is not None  # both runs succeeded
+        assert got.grads is not None
+        rtol, atol = self.rtol, self.atol
+        if differences(want.grads, got.grads, self.label, rtol=rtol, atol=atol) is None:
+            return None
+        runs = [again(self._perturbation(seed)).grads for seed in range(1, RUNS + 1)]
+        rounding = tolerances(want.grads, runs)
+        return differences(
+            want.grads, got.grads, self.label, rtol=rtol, atol=atol, rounding=rounding
+        )
+
+    def _perturbation(self, seed: int) -> ContextFactory:
+        return lambda: Perturbation(seed, self.precision)
+
+    def fail(self, what: str, plain: Outcome, got: Outcome) -> NoReturn:
+        """Raise GradientMismatchError: ``what`` the run did, both outcomes, the subject."""
+        raise GradientMismatchError(
+            f"{self.subject} {what}.\nplain autograd: {plain}\n{self.subject}: {got}\n{self.shown}"
+        ) from got.error
+
+
+class _Inline:
+    """Runs each checkpoint region as plain autograd: its function called on its arguments.
+
+    It also notes what explains autograd's in-place error from a checkpointed run where plain
+    autograd succeeds: a tensor the region read written after the read (its tensor arguments,
+    versions before the call; the tensors in the function's closure, versions after the call,
+    so that state the region writes itself does not count), or a region under a selective
+    policy (``context_fn``) that writes in place (a saved output written later is refused).
+    """
+
+    def __init__(self) -> None:
+        self.read: list[tuple[torch.Tensor, int]] = []
+        self.policy_writes = False
+
+    def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        policy = kwargs.get("context_fn") is not None
+        for keyword in _CHECKPOINT_KEYWORDS:
+            kwargs.pop(keyword, None)
+        self.read.extend((tensor, tensor._version) for tensor in tensors_in([args, kwargs]))
+        with _Writes() if policy else contextlib.nullcontext() as writes:
+            result = function(*args, **kwargs)
+        self.policy_writes |= writes is not None and writes.seen
+        for cell in getattr(function, "__closure__", None) or ():
+            with contextlib.suppress(ValueError):  # an empty cell
+                self.read.extend((t, t._version) for t in tensors_in([cell.cell_contents]))
+        return result
+
+    @property
+    def explains_inplace_error(self) -> bool:
+        """Whether a region read a tensor written later, or wrote in place under a policy."""
+        return self.policy_writes or any(t._version != version for t, version in self.read)
+
+
+class _Writes(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
+    """Notes whether an op wrote one of its arguments in place."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's __init__ is untyped
+        self.seen = False
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        arguments = op_schema(func).arguments
+        self.seen |= any(a.alias_info is not None and a.alias_info.is_write for a in arguments)
+        return func(*args, **(kwargs or {}))
+
+
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors ``value`` is or holds in lists, tuples and dicts, nested."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from tensors_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from tensors_in(item)
+
+
+def _program_runner(program: Program, checkpoint: Callable[[], Any] | None) -> Runner:
+    """Runs ``program`` under a context, its regions run by ``checkpoint()`` (None: as written)."""
+
+    def run(context: ContextFactory | None) -> Outcome:
+        leaves = program.make_leaves()
+        regions = checkpoint() if checkpoint is not None else None
+        return outcome(lambda: program.run(leaves, checkpoint=regions), context)
+
+    return run
+
+
+def _program_verdict(
+    program: Program,
+    reference: Runner,
+    runs: str,
+    *,
     rtol: float,
     atol: float,
-) -> str | None:
-    """None when the gradients agree, else what differs."""
-    if len(want) != len(have):
-        return f"{len(have)} gradients instead of {len(want)}"
-    for index, (expected, got) in enumerate(zip(want, have, strict=True)):
-        if (expected is None) != (got is None):
-            return f"gradient {index}: {got} instead of {expected}"
-        if expected is None or got is None:
-            continue
-        try:
-            torch.testing.assert_close(got, expected, rtol=rtol, atol=atol, equal_nan=True)
-        except AssertionError as error:
-            return f"gradient {index}: {error}"
-    return None
+    precision: torch.dtype | None,
+    subject: str = "the context",
+) -> Verdict:
+    inline = _program_runner(program, _Inline)
+    return Verdict(
+        reference,
+        lambda context: inline(within(copying_hooks, context)),
+        f"The program, as Python (run program(make_leaves()) {runs}):\n\n{program.source}",
+        lambda index: f"result {index}",
+        rtol=rtol,
+        atol=atol,
+        precision=precision,
+        subject=subject,
+    )
 
 
 def check_program(
@@ -108,11 +297,13 @@ def check_program(
     *,
     rtol: float = 0.0,
     atol: float = 0.0,
+    precision: torch.dtype | None = None,
 ) -> bool:
     """Run ``program`` with and without ``context_factory()``; raise if gradients differ.
 
-    Returns False when plain autograd rejects the program in a way unrelated to saved tensors
-    (an op it refuses), which the caller should skip; True when the program was checked.
+    The program runs as written (its checkpoint regions through ``tensorhooks.checkpoint``) both
+    times. Gradients are compared bitwise first; where they differ, within a tolerance measured
+    on the program: see "How gradients are compared" on the docs page.
 
     Example:
         >>> import tensorhooks
@@ -124,49 +315,114 @@ def check_program(
         ...     assume(check_program(program, tensorhooks.save_on_cpu))
         >>> test_save_on_cpu()
 
+    Args:
+        program: drawn from `programs`.
+        context_factory: returns a new context manager each call.
+        rtol: relative tolerance added to the measured rounding tolerance.
+        atol: absolute tolerance added to it.
+        precision: None when the context keeps saved values exactly (in any layout); a
+            floating dtype such as ``torch.bfloat16`` when it keeps them rounded to it, so that
+            the measured tolerance is what rounding to that dtype can change.
+
+    Returns:
+        False when plain autograd rejects the program in a way unrelated to saved tensors (an
+        op it refuses), which the caller should skip; True when the program was checked.
+
     Raises:
         GradientMismatchError: when the context changed a gradient, raised where plain autograd
             does not, or gave a gradient that is neither plain autograd's in-place error nor
             the save-time gradient (an ``AssertionError``; the message holds the program).
     """
-    plain = _run(program, None)
-    if plain.error is not None and not plain.inplace_error and _run(program, _copying_hooks).error:
+    as_written = _program_runner(program, None)
+    runs = "with and without the context"
+    verdict = _program_verdict(program, as_written, runs, rtol=rtol, atol=atol, precision=precision)
+    plain = as_written(None)
+    if plain.error is not None and not plain.inplace_error and verdict.save_time(None).error:
         # Plain autograd refuses this program for a reason of its own; so does the save-time
         # reference, so there is nothing to compare.
         return False
-    got = _run(program, context_factory)
-    if plain.error is None:
-        if got.error is not None:
-            _fail(program, "raised where plain autograd does not", plain, got)
-        difference = _same(plain.grads or [], got.grads or [], rtol, atol)
-        if difference is not None:
-            _fail(program, f"changed a gradient ({difference})", plain, got)
-        return True
-    if got.inplace_error:
-        return True
-    save_time = _run(program, _copying_hooks)
-    if got.error is not None:
-        if save_time.error is None:
-            _fail(program, "raised neither the in-place error nor a gradient", plain, got)
-        return True
-    difference = _same(save_time.grads or [], got.grads or [], rtol, atol)
-    if difference is not None:
-        _fail(
-            program,
-            "gave a gradient that is neither the save-time one nor autograd's in-place error "
-            f"({difference})",
-            plain,
-            got,
-        )
+    verdict.judge(plain, as_written(context_factory))
     return True
 
 
-def _fail(program: Program, what: str, plain: _Outcome, got: _Outcome) -> None:
-    raise GradientMismatchError(
-        f"the context {what}.\nplain autograd: {plain}\nunder the context: {got}\n"
-        "The program, as Python (run program(make_leaves()) with and without the context):\n\n"
-        f"{program.source}"
-    ) from got.error
+def check_checkpoint(
+    program: Program,
+    checkpoint: Callable[..., Any] | None = None,
+    *,
+    context_factory: ContextFactory | None = None,
+    rtol: float = 0.0,
+    atol: float = 0.0,
+    precision: torch.dtype | None = None,
+) -> bool:
+    """Run ``program``'s checkpoint regions through ``checkpoint``; compare with plain autograd.
+
+    The reference runs each region as a plain call of its function. The checkpointed run must
+    give plain autograd's gradients (and leave the state the regions write as plain autograd
+    does); where plain autograd raises its in-place error, raise it too or give the save-time
+    gradient. Since a region saves its arguments and reads its outside tensors again in
+    recomputation, autograd's in-place error is also accepted where plain autograd succeeds if
+    one of those was written after the region read it (tensorhooks raises then, unless the
+    context keeps the value), or if a region under a selective policy writes in place (a
+    policy refuses a saved output written later). Gradients are compared as `check_program`
+    compares them.
+
+    Example:
+        >>> import torch
+        >>> from hypothesis import assume, given, settings
+        >>> from tensorhooks.testing import check_checkpoint, programs
+        >>> @settings(max_examples=5, database=None, deadline=None)
+        ... @given(programs(checkpoint=True))
+        ... def test_checkpoint(program):
+        ...     assume(check_checkpoint(program))
+        >>> test_checkpoint()
+
+    Args:
+        program: drawn from ``programs(checkpoint=...)``.
+        checkpoint: called as ``checkpoint(function, *args, use_reentrant=False, ...)`` for each
+            region; default ``tensorhooks.checkpoint``.
+        context_factory: returns a context manager that the checkpointed run (forward and
+            backward) runs inside; None: none. The reference runs without it.
+        rtol: relative tolerance added to the measured rounding tolerance.
+        atol: absolute tolerance added to it.
+        precision: as for `check_program`.
+
+    Returns:
+        False when plain autograd rejects the program in a way unrelated to saved tensors;
+        True when the program was checked.
+
+    Raises:
+        GradientMismatchError: when the checkpointed run gave another gradient or state, or
+            raised where neither plain autograd nor a changed input explains it.
+    """
+    regions = checkpoint if checkpoint is not None else tensorhooks_checkpoint
+    inline = _program_runner(program, _Inline)
+    runs = "as written, and with each region's function called directly"
+    verdict = _program_verdict(
+        program,
+        inline,
+        runs,
+        rtol=rtol,
+        atol=atol,
+        precision=precision,
+        subject="the checkpointed run",
+    )
+    read = _Inline()
+    plain = outcome(lambda: program.run(program.make_leaves(), checkpoint=read), None)
+    if plain.error is not None and not plain.inplace_error and verdict.save_time(None).error:
+        return False
+    got = _program_runner(program, lambda: regions)(context_factory)
+    verdict.judge(plain, got, inplace_allowed=read.explains_inplace_error)
+    return True
+
+
+def _check_settings(max_examples: int | None) -> settings:
+    profile = settings()  # the active profile
+    return settings(
+        profile,
+        max_examples=max_examples or profile.max_examples,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
 
 
 def assert_context_preserves_gradients(
@@ -174,14 +430,17 @@ def assert_context_preserves_gradients(
     *,
     rtol: float = 0.0,
     atol: float = 0.0,
+    precision: torch.dtype | None = None,
     max_examples: int | None = None,
     writes: bool = True,
+    backwards: Collection[str] = BACKWARDS,
 ) -> None:
     """Check on random programs that ``context_factory()`` never changes a gradient.
 
     Each program runs forward and backward inside a fresh ``context_factory()``. See the module
-    docstring for what counts as a failure. Hypothesis shrinks a failing program before it is
-    shown.
+    docstring for what counts as a failure, and `check_program` for how gradients are compared.
+    Hypothesis shrinks a failing program before it is shown; the active hypothesis profile
+    (``derandomize``, ``database``) applies.
 
     Example:
         >>> import tensorhooks
@@ -191,27 +450,26 @@ def assert_context_preserves_gradients(
     Args:
         context_factory: returns a new context manager each call (a class such as
             ``tensorhooks.save_on_cpu`` works).
-        rtol: relative tolerance of the comparison (0: bitwise equal, NaN equal to NaN).
-        atol: absolute tolerance of the comparison.
+        rtol: relative tolerance added to the measured rounding tolerance.
+        atol: absolute tolerance added to it.
+        precision: None when the context keeps saved values exactly; a dtype such as
+            ``torch.bfloat16`` when it keeps them rounded to it (see `check_program`).
         max_examples: how many programs to try; default: the active hypothesis profile's.
         writes: whether programs change tensors in place (turn off for hooks that are not
             meant to survive in-place writes, and that autograd's check cannot see).
+        backwards: the backward variants programs run (see `programs`); leave out "twice"
+            and "double" for hooks that free what they stored on unpack.
 
     Raises:
         GradientMismatchError: on the first (shrunk) program whose gradients differ.
+        CheckArgumentValueError: when ``backwards`` names no known variant.
     """
-    profile = settings()  # the active profile
-    config = settings(
-        profile,
-        max_examples=max_examples or profile.max_examples,
-        deadline=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-    )
+    strategy = programs(writes=writes, backwards=backwards)
 
-    @config
-    @given(programs(writes=writes))
+    @_check_settings(max_examples)
+    @given(strategy)
     def check(program: Program) -> None:
-        assume(check_program(program, context_factory, rtol=rtol, atol=atol))
+        assume(check_program(program, context_factory, rtol=rtol, atol=atol, precision=precision))
 
     check()
 
@@ -222,8 +480,10 @@ def assert_hooks_preserve_gradients(
     *,
     rtol: float = 0.0,
     atol: float = 0.0,
+    precision: torch.dtype | None = None,
     max_examples: int | None = None,
     writes: bool = True,
+    backwards: Collection[str] = BACKWARDS,
 ) -> None:
     """Check on random programs that a pack/unpack pair never changes a gradient.
 
@@ -232,25 +492,43 @@ def assert_hooks_preserve_gradients(
     `assert_context_preserves_gradients` to check a pair under another context.
 
     Example:
+        >>> import torch
         >>> from tensorhooks.testing import assert_hooks_preserve_gradients
         >>> assert_hooks_preserve_gradients(
         ...     lambda t: t.detach().clone(), lambda t: t, max_examples=5)
+        >>> import itertools
+        >>> store, keys = {}, itertools.count()
+        >>> def pack(tensor):  # frees on unpack: one backward per graph only
+        ...     key = next(keys)
+        ...     store[key] = tensor.detach().to(torch.bfloat16)
+        ...     return key, tensor.dtype
+        >>> def unpack(packed):
+        ...     return store.pop(packed[0]).to(packed[1])
+        >>> assert_hooks_preserve_gradients(
+        ...     pack, unpack, precision=torch.bfloat16,
+        ...     backwards=["backward", "inputs", "grad"], max_examples=5)
 
     Args:
         pack_hook: ``pack_hook(tensor) -> Any``.
         unpack_hook: ``unpack_hook(packed) -> Tensor``.
-        rtol: relative tolerance of the comparison (0: bitwise equal).
-        atol: absolute tolerance of the comparison.
+        rtol: relative tolerance added to the measured rounding tolerance.
+        atol: absolute tolerance added to it.
+        precision: None when the pair keeps saved values exactly; the dtype it rounds them to
+            otherwise (see `check_program`).
         max_examples: how many programs to try; default: the active hypothesis profile's.
         writes: whether programs change tensors in place.
+        backwards: the backward variants programs run (see `programs`).
 
     Raises:
         GradientMismatchError: on the first (shrunk) program whose gradients differ.
+        CheckArgumentValueError: when ``backwards`` names no known variant.
     """
     assert_context_preserves_gradients(
         lambda: saved_tensors_hooks(pack_hook, unpack_hook),
         rtol=rtol,
         atol=atol,
+        precision=precision,
         max_examples=max_examples,
         writes=writes,
+        backwards=backwards,
     )

@@ -1,0 +1,207 @@
+"""Checkpoint regions of random programs: a nested function, checkpointed on aliases of values.
+
+See NOTE [Random autograd programs] and NOTE [Random checkpoint regions].
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from hypothesis import strategies as st
+
+from .drawing import Scope, alias, binary, pick, unary, write
+
+__all__ = ["POLICY_CHOICES", "REGION_KINDS", "Region", "draw_region", "policy_source"]
+
+# NOTE [Random checkpoint regions]
+#
+# A region is a function defined inside ``program`` and called through ``checkpoint(region, *args,
+# use_reentrant=False)``, where ``checkpoint`` is a global of the program's source
+# (``tensorhooks.checkpoint`` as printed; a checker may bind another implementation, or plain
+# calls for the reference). Its arguments are one to three aliases of earlier values; its body is
+# one to four operations on its arguments and its own intermediates, returning the last one it
+# computed. The kinds of REGION_KINDS add what silently wrong recomputations have come from:
+#   - "aliasing": arguments alias each other (two aliases of one value: a tensor and a view of
+#     it, overlapping slices);
+#   - "inplace": the region writes its arguments and its intermediates in place (attention's
+#     ``scores.mul_(scale)``), recorded by autograd or under ``no_grad``;
+#   - "outside": an op reads an earlier value from outside the arguments, through a view made
+#     inside the region (``h @ w.mT``, ``linear(h, w)``, ``h * w[1]``: the way ``nn.Linear``
+#     saves ``weight.t()``). Later writes of the program favour the values regions read so;
+#   - "policy": the call passes ``context_fn=contexts``: tensorhooks' selective checkpointing
+#     with a random policy (one choice per op, drawn from POLICY_CHOICES and the same for every
+#     call of the op), with ``allow_cache_entry_mutation`` drawn once per program;
+#   - "state": the region writes state in place (``const``, a scalar ``count``, or a value that
+#     needs no gradient) under ``no_grad``, and often reads it back right after: a buffer
+#     written then read, read (saved) then written, a counter. The program then also returns
+#     ``const`` and ``count``, so state written twice is seen even where no gradient reads it.
+# Writes inside a region ("inplace", "state") are drawn only for programs drawn with writes.
+
+REGION_KINDS = ("aliasing", "inplace", "outside", "policy", "state")
+POLICY_CHOICES = (
+    "MUST_SAVE",
+    "PREFER_SAVE",
+    "MUST_RECOMPUTE",
+    "PREFER_RECOMPUTE",
+    "MUST_CPU_OFFLOAD",
+    "PREFER_CPU_OFFLOAD",
+)
+_ARGUMENTS = "xyz"
+
+
+class Region(Protocol):
+    """What drawing a region needs of the program being drawn."""
+
+    draw: st.DrawFn
+    scope: Scope
+    lines: list[str]
+    kinds: frozenset[str]
+    writes: bool
+    regions: int
+    outside_reads: list[int]
+    writes_state: bool
+    uses_policy: bool
+
+    def add_value(self, expr: str, dummy: torch.Tensor, requires_grad: bool) -> None:
+        """Append ``v<n> = expr`` and its term of the loss."""
+
+
+def draw_region(program: Region) -> None:
+    """Draw one region and its call; the call's result becomes the program's next value."""
+    draw, outer = program.draw, program.scope
+    name = f"region{program.regions}"
+    program.regions += 1
+    local = Scope()
+    arguments = []
+    for index in _argument_values(draw, outer, "aliasing" in program.kinds):
+        expr, dummy = alias(draw, outer.names[index], outer.dummies[index])
+        arguments.append(expr)
+        parameter = _ARGUMENTS[len(local.names)]
+        local.add(parameter, dummy, outer.requires_grad[index], outer.computed[index])
+    body = _Body(program, local)
+    for _ in range(draw(st.integers(1, 4))):
+        body.step()
+    if body.result is None:
+        body.compute()
+    assert body.result is not None  # compute() always sets it
+    policy = ""
+    if "policy" in program.kinds and draw(st.booleans()):
+        program.uses_policy = True
+        policy = ", context_fn=contexts"
+    program.lines.append(f"def {name}({', '.join(local.names[: len(arguments)])}):")
+    program.lines.extend(f"    {line}" for line in body.lines)
+    program.lines.append(f"    return {local.names[body.result]}")
+    call = f"checkpoint({name}, {', '.join(arguments)}, use_reentrant=False{policy})"
+    program.add_value(call, local.dummies[body.result], local.requires_grad[body.result])
+
+
+def _argument_values(draw: st.DrawFn, outer: Scope, aliasing: bool) -> list[int]:
+    """The values the arguments alias; with ``aliasing``, some twice (aliasing arguments)."""
+    values = [pick(draw, outer)]
+    for _ in range(draw(st.integers(0, 2))):
+        if aliasing and draw(st.booleans()):
+            values.append(draw(st.sampled_from(values)))
+        else:
+            values.append(pick(draw, outer))
+    return values
+
+
+class _Body:
+    """The lines of a region's body, drawn one operation at a time."""
+
+    def __init__(self, program: Region, local: Scope) -> None:
+        self.program = program
+        self.draw = program.draw
+        self.local = local
+        self.n_arguments = len(local.names)
+        self.lines: list[str] = []
+        self.result: int | None = None  # the last value the body computed
+        self.last_state: int | None = None  # the outer value the body last wrote
+
+    def step(self) -> None:
+        """Draw one operation of a kind the program allows."""
+        kinds = ["compute"]
+        if "outside" in self.program.kinds or self.last_state is not None:
+            kinds.append("outside")
+        if self.program.writes:
+            kinds.extend(kind for kind in ("inplace", "state") if kind in self.program.kinds)
+        getattr(self, self.draw(st.sampled_from(kinds)))()
+
+    def compute(self) -> None:
+        """An op of the region's own values."""
+        draw, local = self.draw, self.local
+        index = pick(draw, local)
+        x, dummy = alias(draw, local.names[index], local.dummies[index])
+        requires_grad = local.requires_grad[index]
+        if draw(st.booleans()):
+            expr, result = unary(draw, x, dummy)
+        else:
+            other = pick(draw, local)
+            y, other_dummy = alias(draw, local.names[other], local.dummies[other])
+            expr, result = binary(draw, x, dummy, y, other_dummy)
+            requires_grad = requires_grad or local.requires_grad[other]
+        self._add(expr, result, requires_grad)
+
+    def outside(self) -> None:
+        """An op of a region value and a view, made here, of a value outside the arguments."""
+        draw, local, outer = self.draw, self.local, self.program.scope
+        index = pick(draw, local)
+        x, dummy = alias(draw, local.names[index], local.dummies[index])
+        read = self.last_state  # read back the state just written
+        if read is None or ("outside" in self.program.kinds and draw(st.booleans())):
+            read = pick(draw, outer)
+        self.program.outside_reads.append(read)
+        y, other = alias(draw, outer.names[read], outer.dummies[read])
+        expr, result = binary(draw, x, dummy, y, other)
+        self._add(expr, result, local.requires_grad[index] or outer.requires_grad[read])
+
+    def inplace(self) -> None:
+        """An in-place write to an argument or an intermediate of the region."""
+        draw, local = self.draw, self.local
+        index = pick(draw, local)
+        recorded = local.computed[index] and draw(st.booleans())
+        target, _ = alias(
+            draw, local.names[index], local.dummies[index], for_recorded_write=recorded
+        )
+        self._write(write(draw, target, recorded=recorded), recorded=recorded)
+
+    def state(self) -> None:
+        """An in-place write, under ``no_grad``, to outer state (a value needing no gradient)."""
+        draw, outer = self.draw, self.program.scope
+        candidates = [i for i, flag in enumerate(outer.requires_grad) if not flag]
+        index = draw(st.sampled_from(candidates))
+        target, _ = alias(draw, outer.names[index], outer.dummies[index])
+        self._write(write(draw, target, recorded=False), recorded=False)
+        self.last_state = index
+        self.program.writes_state = True
+
+    def _write(self, line: str, *, recorded: bool) -> None:
+        self.lines.extend([line] if recorded else ["with torch.no_grad():", f"    {line}"])
+
+    def _add(self, expr: str, dummy: torch.Tensor, requires_grad: bool) -> None:
+        name = f"h{len(self.local.names) - self.n_arguments}"
+        self.lines.append(f"{name} = {expr}")
+        self.result = self.local.add(name, dummy, requires_grad, computed=True)
+
+
+def policy_source(draw: st.DrawFn) -> list[str]:
+    """The module-level lines defining ``contexts``, the random selective policy's context_fn."""
+    choices = draw(st.lists(st.sampled_from(POLICY_CHOICES), min_size=1, max_size=3, unique=True))
+    salt = draw(st.integers(0, 6))
+    allow = draw(st.booleans())
+    listed = ", ".join(f"CheckpointPolicy.{choice}" for choice in choices)
+    return [
+        f"CHOICES = [{listed}]",
+        "",
+        "",
+        "def policy(ctx, op, *args, **kwargs):",
+        "    # A random choice per op, the same for every call of the op.",
+        f"    return CHOICES[(sum(map(ord, str(op))) + {salt}) % len(CHOICES)]",
+        "",
+        "",
+        "def contexts():",
+        "    return create_selective_checkpoint_contexts(",
+        f"        policy, allow_cache_entry_mutation={allow}",
+        "    )",
+    ]
