@@ -5,6 +5,7 @@ See NOTE [Checkpointing on saved-tensor hooks] in recomputation.py, "Inputs".
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -89,7 +90,7 @@ class Arguments:
     See NOTE [Checkpointing on saved-tensor hooks], "Inputs".
     """
 
-    __slots__ = ("args", "kwargs", "shared")
+    __slots__ = ("args", "kwargs", "storages")
 
     def __init__(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[torch.Tensor]
@@ -97,21 +98,26 @@ class Arguments:
         seen: dict[int, int] = {}
         self.args = _take_tensors(args, tensors, seen)
         self.kwargs = _take_tensors(kwargs, tensors, seen)
-        self.shared = _shared_storages(tensors)
+        self.storages = _storages(tensors)
 
-    def writable_copies(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Non-leaf copies of ``tensors`` for a function that writes them, aliasing kept.
+    def as_called(self, tensors: list[torch.Tensor], *, writable: bool) -> list[torch.Tensor]:
+        """The unpacked inputs ``tensors``, laid out in storage as they were in the call.
 
         Inputs that shared a storage in the call (a tensor and a view of it, overlapping
-        slices) share one in the copies too, with the same geometry, so a write through one
-        reaches the others as it did in the forward pass. The copies are connected to nothing
-        that matters for the gradient: recomputation only reads their values.
+        slices) share one again, each at its storage offset and strides, so a write through one
+        reaches the others and an ``as_strided`` window reads the elements it read in the
+        forward pass. An unpacked input that is a copy (offloaded, or kept by
+        ``allow_mutation_on_saved_tensors``) starts its own storage at offset 0: it is laid
+        out again. With ``writable`` (the function writes its inputs) every input is a
+        non-leaf copy, so the recomputation's writes stay in it. The copies are connected to
+        nothing that matters for the gradient: recomputation only reads their values.
         """
+        result = list(tensors)
         with torch.enable_grad():
-            copies = [t.detach().requires_grad_(t.requires_grad).clone() for t in tensors]
-            for group in self.shared:
-                _share(copies, tensors, group)
-        return copies
+            for group in self.storages:
+                if writable or not _laid_out(tensors, group):
+                    _share(result, tensors, group)
+        return result
 
     def rebuild(self, tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The arguments again, with ``tensors`` in the places the inputs were."""
@@ -124,15 +130,37 @@ class _Layout(NamedTuple):
     stride: tuple[int, ...]
 
 
-def _shared_storages(tensors: list[torch.Tensor]) -> list[list[tuple[int, _Layout]]]:
-    """Groups of strided inputs of one dtype that share a storage, with their layouts."""
-    groups: dict[tuple[int, torch.dtype], list[tuple[int, _Layout]]] = {}
+class _Storage(NamedTuple):
+    """Inputs that shared one storage in the call, and (weakly) a tensor owning that storage."""
+
+    members: list[tuple[int, _Layout]]
+    owner: weakref.ref[torch.Tensor]
+
+
+def _storages(tensors: list[torch.Tensor]) -> list[_Storage]:
+    """The strided inputs grouped by the storage (and dtype) they share, with their layouts."""
+    groups: dict[tuple[int, torch.dtype], _Storage] = {}
     for index, tensor in enumerate(tensors):
         key = storage_key(tensor) if tensor.layout == torch.strided else None
-        if key is not None:
-            layout = _Layout(int(tensor.storage_offset()), tuple(tensor.shape), tensor.stride())
-            groups.setdefault((key, tensor.dtype), []).append((index, layout))
-    return [group for group in groups.values() if len(group) > 1]
+        if key is None:
+            continue
+        layout = _Layout(int(tensor.storage_offset()), tuple(tensor.shape), tensor.stride())
+        group = groups.get((key, tensor.dtype))
+        if group is None:
+            owner = tensor if tensor._base is None else tensor._base
+            group = groups[key, tensor.dtype] = _Storage([], weakref.ref(owner))
+        group.members.append((index, layout))
+    return list(groups.values())
+
+
+def _laid_out(tensors: list[torch.Tensor], group: _Storage) -> bool:
+    """Whether the unpacked ``group`` still shares one storage with the layouts of the call."""
+    keys = {storage_key(tensors[index]) for index, _ in group.members}
+    return len(keys) == 1 and all(
+        int(tensors[index].storage_offset()) == layout.offset
+        and tensors[index].stride() == layout.stride
+        for index, layout in group.members
+    )
 
 
 def _end(layout: _Layout) -> int:
@@ -143,25 +171,34 @@ def _end(layout: _Layout) -> int:
     return layout.offset + last + 1
 
 
-def _share(
-    copies: list[torch.Tensor], values: list[torch.Tensor], group: list[tuple[int, _Layout]]
-) -> None:
-    """Make the copies of ``group`` views of one base holding each one's value, in place."""
-    first = copies[group[0][0]]
-    extent = max(
-        layout.offset
-        + sum((n - 1) * s for n, s in zip(layout.size, layout.stride, strict=True))
-        + 1
-        for _, layout in group
-    )
-    requires_grad = any(values[index].requires_grad for index, _ in group)
+def _share(copies: list[torch.Tensor], values: list[torch.Tensor], group: _Storage) -> None:
+    """Make the copies of ``group`` views of one base holding each one's value, in place.
+
+    The base is a copy of the storage the inputs shared in the call, as it is now where its
+    owner is still alive (a window reaching past the inputs reads what is there), with each
+    input's unpacked value written at its place.
+    """
+    first = values[group.members[0][0]]
+    extent = max(_end(layout) for _, layout in group.members)
+    requires_grad = any(values[index].requires_grad for index, _ in group.members)
     with torch.no_grad():
-        flat = torch.zeros(extent, dtype=first.dtype, device=first.device)
-        for index, layout in group:
+        flat = _storage_copy(group.owner(), first, extent)
+        for index, layout in group.members:
             flat.as_strided(layout.size, layout.stride, layout.offset).copy_(values[index])
     base = flat.requires_grad_(requires_grad).clone()
-    for index, layout in group:
+    for index, layout in group.members:
         copies[index] = base.as_strided(layout.size, layout.stride, layout.offset)
+
+
+def _storage_copy(owner: torch.Tensor | None, like: torch.Tensor, extent: int) -> torch.Tensor:
+    """A flat copy of ``owner``'s storage in ``like``'s dtype, or zeros; at least ``extent``."""
+    if owner is not None and owner.dtype == like.dtype and owner.layout == torch.strided:
+        storage = owner.untyped_storage()
+        count = storage.nbytes() // like.element_size()
+        if count >= extent:
+            flat = torch.empty(0, dtype=like.dtype, device=storage.device)
+            return flat.set_(storage, 0, (count,), (1,)).clone()
+    return torch.zeros(extent, dtype=like.dtype, device=like.device)
 
 
 def save_inputs(tensors: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:

@@ -210,7 +210,8 @@ class Frame:
         self.error_cb = error_cb
         self.holders: list[weakref.ref[_Holder]] = []
         self.metadata: list[Any] = []
-        self.saved: list[weakref.ref[torch.Tensor]] = []  # during the forward pass only
+        # During the forward pass only: each saved tensor, weakly, and its version when saved.
+        self.saved: list[tuple[weakref.ref[torch.Tensor], int]] = []
         self.outside: OutsideState | None = None
         self.inputs: Callable[[], list[torch.Tensor]] = list
         self.arguments = Arguments((), {}, [])
@@ -223,34 +224,37 @@ class Frame:
         holder = _Holder(self, len(self.holders))
         self.holders.append(weakref.ref(holder))
         self.metadata.append(self.metadata_fn(tensor))
-        self.saved.append(weakref.ref(tensor))
+        self.saved.append((weakref.ref(tensor), tensor._version))
         return holder
 
-    def seal(self) -> None:
+    def seal(self, output: object) -> None:
         """At the end of the forward pass: note what it wrote and the saved tensors outliving it."""
         self.forward_completed = True
         if self.outside is not None:
-            self.outside.seal([tensor for ref in self.saved if (tensor := ref()) is not None])
+            alive = [
+                (tensor, version) for ref, version in self.saved if (tensor := ref()) is not None
+            ]
+            outputs = output if isinstance(output, (tuple, list)) else (output,)
+            self.outside.seal(alive, outputs)
         self.saved = []
 
     def recompute(self, state: _Recomputation) -> None:
         """Run the region again, keeping its saved tensors in ``state``; check them."""
+        inputs = self.inputs()  # an argument changed in place raises here, first
         # See NOTE [Tensors a region reaches outside its arguments] in state.py.
         state.substitution = None if self.outside is None else self.outside.substitution()
-        self._run_again(state)
+        self._run_again(state, inputs)
         if state.changed_in_place():
             # See NOTE [Checkpointing on saved-tensor hooks], "In-place writes".
             self.clone_saves = True
             state.reset()
-            self._run_again(state)
+            self._run_again(state, self.inputs())
         state.kept.clear()
         state.substitution = None
         self._check(state)
 
-    def _run_again(self, state: _Recomputation) -> None:
-        tensors = self.inputs()
-        if self.clone_inputs:  # the function writes to them
-            tensors = self.arguments.writable_copies(tensors)
+    def _run_again(self, state: _Recomputation, inputs: list[torch.Tensor]) -> None:
+        tensors = self.arguments.as_called(inputs, writable=self.clone_inputs)
         args, kwargs = self.arguments.rebuild(tensors)
         pack, unpack = current_save_guard().wrap(
             functools.partial(_keep_recomputed, self, state), _identity
@@ -269,6 +273,8 @@ class Frame:
         finally:
             _recomputing.depth -= 1
             pop_saved_tensors_hooks()
+            if state.substitution is not None:
+                state.substitution.restore_versions()
 
     def _check(self, state: _Recomputation) -> None:
         if state.ignore_mismatch:
@@ -316,7 +322,7 @@ def _keep_recomputed(frame: Frame, state: _Recomputation, tensor: torch.Tensor) 
         )
     kept = tensor.detach() if tensor.requires_grad else tensor
     if state.substitution is not None:
-        kept = state.substitution.swap(kept)
+        kept = state.substitution.saved(kept)
     if frame.clone_saves:
         kept = _clone_below_modes(kept)
     if frame.holders[index]() is not None:  # else its node was already released

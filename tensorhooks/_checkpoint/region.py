@@ -347,7 +347,7 @@ def _run_region(
                 output = function(*args, **kwargs)
         finally:
             pop_saved_tensors_hooks()
-    frame.seal()
+    frame.seal(output)
     changed = [
         (tensor, version)
         for tensor, version in zip(tensors, versions, strict=True)

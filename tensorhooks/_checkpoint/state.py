@@ -17,7 +17,14 @@ from torch.utils.checkpoint import CheckpointError
 
 from tensorhooks._core.errors import SavedTensorModifiedError
 from tensorhooks._core.guards import PackHook, UnpackHook, current_save_guard, modified_message
-from tensorhooks._core.torch_compat import TorchDispatchMode, below_python_modes, storage_key
+from tensorhooks._core.torch_compat import (
+    TorchDispatchMode,
+    below_python_modes,
+    next_sequence_nr,
+    sequence_nr,
+    set_version_counters,
+    storage_key,
+)
 
 __all__ = ["OutsideState", "Substitution"]
 
@@ -69,12 +76,24 @@ _MAX_DEPTH = 2  # closure -> partial -> module, at most
 class _Watched:
     """A tensor the region reaches outside its arguments, with what is known of its value."""
 
-    __slots__ = ("handle", "hidden", "name", "ref", "start", "version", "written")
+    __slots__ = (
+        "aliases_input",
+        "handle",
+        "hidden",
+        "name",
+        "ref",
+        "start",
+        "start_version",
+        "version",
+        "written",
+    )
 
     def __init__(self, name: str, tensor: torch.Tensor, hidden: bool) -> None:
         self.name = name
         self.ref = weakref.ref(tensor)
         self.version = tensor._version
+        self.start_version = tensor._version
+        self.aliases_input = False  # shares its storage with an argument of the region
         self.hidden = hidden  # torch may write it without moving its version
         self.handle: Any = None  # what the save guard's pack returned, inside allow_mutation
         self.start: torch.Tensor | None = None  # its value when the region started (state only)
@@ -154,7 +173,7 @@ def reachable_state(function: Callable[..., Any]) -> list[_Found]:
 class OutsideState:
     """The tensors one region call reaches outside its arguments. See NOTE [Tensors a region...]."""
 
-    __slots__ = ("_pair", "_skip", "watched")
+    __slots__ = ("_input_storages", "_pair", "_skip", "_start", "watched")
 
     def __init__(self, function: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> None:
         guard = current_save_guard()
@@ -162,13 +181,17 @@ class OutsideState:
             guard.wrap(_identity, _identity) if guard.lets_saved_tensors_change else None
         )
         self._skip = {id(t) for t in inputs} | {id(t._base) for t in inputs if t._base is not None}
+        self._input_storages = {storage_key(t) for t in inputs}
+        self._start = next_sequence_nr()  # nodes made from here on are the region's
         self.watched: list[_Watched] = []
+        # Inputs reached from the function too (a closure reading a tensor also passed as an
+        # argument) are watched: recomputation reads them through the closure, not the argument.
         for name, tensor, hidden in reachable_state(function):
-            if id(tensor) not in self._skip:
-                self._watch(name, tensor, hidden=hidden, at_start=True)
+            self._watch(name, tensor, hidden=hidden, at_start=True)
 
     def _watch(self, name: str, tensor: torch.Tensor, *, hidden: bool, at_start: bool) -> None:
         watched = _Watched(name, tensor, hidden)
+        watched.aliases_input = storage_key(tensor) in self._input_storages
         self._skip.add(id(tensor))
         if self._pair is not None and not hidden:
             with below_python_modes():
@@ -178,8 +201,14 @@ class OutsideState:
                 watched.start = tensor.clone()
         self.watched.append(watched)
 
-    def seal(self, saved: Sequence[torch.Tensor]) -> None:
-        """At the end of the forward pass: note what it wrote, and watch what it saved."""
+    def seal(self, saved: Sequence[tuple[torch.Tensor, int]], outputs: Sequence[object]) -> None:
+        """At the end of the forward pass: note what it wrote, and watch what it saved.
+
+        ``saved``: the tensors the forward pass saved that are still alive, each with its
+        version when saved; those the region made (its outputs, or what a node of the region
+        produced) are the recomputation's own and are not watched.
+        """
+        self._skip.update(id(value) for value in outputs if isinstance(value, torch.Tensor))
         for watched in self.watched:
             tensor = watched.ref()
             if tensor is None:
@@ -189,11 +218,27 @@ class OutsideState:
                 watched.version = tensor._version
             elif watched.start is not None:
                 watched.start = None  # not written: the tensor itself holds the value
-        for tensor in saved:
+        watched_storages = {storage_key(tensor) for tensor in self._alive()}
+        for tensor, version in saved:
             base = tensor if tensor._base is None else tensor._base
-            if id(base) not in self._skip:
-                name = f"a tensor of shape {list(base.shape)}"
-                self._watch(name, base, hidden=False, at_start=False)
+            if (
+                id(base) in self._skip
+                or storage_key(base) in watched_storages
+                or self._made_here(base)
+            ):
+                continue  # an input or an output, made by the region, or watched already
+            name = f"a tensor of shape {list(base.shape)}"
+            self._watch(name, base, hidden=False, at_start=False)
+            if tensor._version != version:  # the region changed it after saving it
+                self.watched[-1].written = True
+                self.watched[-1].handle = None  # tracked too late to hold the saved value
+
+    def _made_here(self, tensor: torch.Tensor) -> bool:
+        node = tensor.grad_fn
+        return node is not None and sequence_nr(node) >= self._start
+
+    def _alive(self) -> list[torch.Tensor]:
+        return [tensor for watched in self.watched if (tensor := watched.ref()) is not None]
 
     def substitution(self) -> Substitution | None:
         """The values recomputation must read instead of the live ones; None if there are none.
@@ -214,6 +259,18 @@ class OutsideState:
         return Substitution(values) if values else None
 
     def _value(self, watched: _Watched, tensor: torch.Tensor) -> torch.Tensor | None:
+        if watched.aliases_input and watched.written:
+            # Written through the argument that shares its storage: reads of it before the
+            # write and after it saw different values, which one replacement cannot give.
+            raise SavedTensorModifiedError(
+                modified_message(
+                    tensor.type(), list(tensor.shape), tensor._version, watched.start_version
+                )
+                + f" Hint: the checkpointed function writes an argument in place that shares "
+                f"its storage with {watched.name}, which it also reads from outside its "
+                "arguments, so recomputation cannot read what the forward pass read. Pass "
+                f"{watched.name} itself as the argument, or write to a copy of the argument."
+            )
         if watched.handle is not None:
             assert self._pair is not None
             value = self._pair[1](watched.handle)
@@ -224,11 +281,13 @@ class OutsideState:
             raise CheckpointError(
                 f"tensorhooks.checkpoint: the checkpointed function changed {watched.name} in "
                 "place during the forward pass; it reaches this tensor from outside its "
-                "arguments and it is a weight (a Parameter, or it requires grad), whose value "
-                "before the write was not copied, so recomputation cannot read what the forward "
-                "pass read. Run the forward pass and backward inside "
-                "tensorhooks.allow_mutation_on_saved_tensors() (which keeps that value), make "
-                "the write outside the checkpointed function, or do not checkpoint it."
+                "arguments, and its value before the write was not copied (a weight, a "
+                "Parameter or a tensor requiring grad, is not; nor is a tensor it reaches other "
+                "than through a module, a closure or a functools.partial), so recomputation "
+                "cannot read what the forward pass read. Run the forward pass and backward "
+                "inside tensorhooks.allow_mutation_on_saved_tensors() (which keeps the value of "
+                "what a module or closure holds), pass the tensor as an argument, make the "
+                "write outside the checkpointed function, or do not checkpoint it."
             )
         if tensor._version != watched.version:
             raise SavedTensorModifiedError(
@@ -270,10 +329,12 @@ def _aliases_an_input(func: Any) -> tuple[bool, bool]:
 class Substitution:
     """Replacement storages holding what the forward pass read, for the storages watched."""
 
-    __slots__ = ("storages",)
+    __slots__ = ("storages", "tensors", "versions")
 
     def __init__(self, values: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.storages: dict[int | None, torch.UntypedStorage] = {}
+        self.tensors = tuple(tensor for tensor, _ in values)
+        self.versions = tuple(tensor._version for tensor in self.tensors)
         with below_python_modes(), torch.no_grad():
             for tensor, value in values:
                 key = storage_key(tensor)
@@ -289,6 +350,27 @@ class Substitution:
             return tensor
         with below_python_modes():
             return _over(storage, tensor)
+
+    def saved(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What recomputation keeps of a saved ``tensor``: a copy of its replacement's value.
+
+        A copy, as the recomputation may write the replacement after saving it (a buffer saved,
+        then updated), and the saved value must stay the one read.
+        """
+        swapped = self.swap(tensor)
+        if swapped is tensor:
+            return tensor
+        with below_python_modes():
+            return swapped.clone()
+
+    def restore_versions(self) -> None:
+        """Undo the version moves of the real tensors: the recomputation wrote the replacements.
+
+        Autograd moves the version counter of a tensor an in-place op names, although the write
+        went to its replacement; left moved, it would make a later unpack of the unchanged
+        tensor raise autograd's in-place error.
+        """
+        set_version_counters(self.tensors, self.versions)
 
     def mode(self) -> _Substitute:
         """The dispatch mode that makes recomputation's ops read the replacements."""

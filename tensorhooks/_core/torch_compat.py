@@ -63,6 +63,7 @@ __all__ = [
     "queue_callback",
     "sequence_nr",
     "set_dispatch_key_excluded",
+    "set_version_counters",
     "skip_code_in_dynamo",
     "storage_key",
     "top_saved_tensors_hooks",
@@ -285,6 +286,14 @@ is_dispatch_key_excluded: Callable[[Any], bool] = _required(
     torch, "_C._dispatch_tls_is_dispatch_key_excluded", "2.4"
 )
 PYTHON_DISPATCH_KEY: Any = _required(torch, "_C.DispatchKey.Python", "2.4")
+
+
+# Sets version counters back to the given values (tuples of tensors and versions). Known on torch
+# 2.3; every supported release has it. checkpoint uses it to undo the version moves that its
+# replays of writes into copies cause (see tensorhooks/_checkpoint/state.py).
+set_version_counters: Callable[[tuple[torch.Tensor, ...], tuple[int, ...]], None] = _required(
+    torch, "_C._autograd._unsafe_set_version_counter", "2.3"
+)
 
 
 @contextlib.contextmanager

@@ -3,8 +3,8 @@
 The program generator draws the kinds of region that silently wrong recomputations came from
 (outside tensors read through views, state written in the region, aliasing arguments written in
 place, selective policies). torch's own checkpoint fails on two of them, which shows that the
-generator reaches them; tensorhooks.checkpoint passes on all, apart from the classes listed in
-limits.py, each with a reproducer below marked xfail(strict=True).
+generator reaches them; tensorhooks.checkpoint passes on all. Reproducers of the classes it once
+found in tensorhooks itself are kept below.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from tensorhooks.testing import (
     programs,
 )
 
-from .limits import known_limitation, regions, root
+from .program_source import regions, root
 
 CONTEXTS: dict[str, Callable[[], contextlib.AbstractContextManager[Any]] | None] = {
     "none": None,
@@ -60,7 +60,6 @@ def test_tensorhooks_checkpoint_matches_plain_autograd(
 ) -> None:
     """Every kind of region gives plain autograd's results, its in-place error, or save-time's."""
     program = data.draw(programs(checkpoint=KINDS[kinds]), label="program")
-    assume(known_limitation(program) is None)
     assume(check_checkpoint(program, context_factory=CONTEXTS[context]))
 
 
@@ -179,7 +178,7 @@ def test_every_kind_of_region_is_drawn(kind: str) -> None:
     assert SIGNS[kind](example)
 
 
-# --- known classes, not fixed yet: each asserts what plain autograd gives ----------------------
+# --- classes the generator found in tensorhooks.checkpoint: each asserts plain autograd's result --
 
 
 def _leaf(seed: int = 0) -> torch.Tensor:
@@ -187,11 +186,6 @@ def _leaf(seed: int = 0) -> torch.Tensor:
     return torch.randn(4, 4, dtype=torch.float64, generator=generator).requires_grad_()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tensorhooks.checkpoint does not watch a closure tensor that is also an argument: "
-    "under allow_mutation_on_saved_tensors, recomputation reads its value after a later write",
-)
 def test_closure_reads_a_tensor_that_is_also_an_argument() -> None:
     """A tensor both an argument and read from the closure, written later: save-time gradient."""
 
@@ -208,11 +202,6 @@ def test_closure_reads_a_tensor_that_is_also_an_argument() -> None:
     torch.testing.assert_close(gradient(tensorhooks.checkpoint), plain, rtol=0, atol=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="recomputation of a region that writes state moves the state's version counter, so a "
-    "second backward over the retained graph raises autograd's in-place error",
-)
 def test_state_written_in_a_region_and_backward_twice() -> None:
     """A counter incremented in a region and saved after it survives a second backward."""
 
@@ -235,11 +224,6 @@ def test_state_written_in_a_region_and_backward_twice() -> None:
     torch.testing.assert_close(gradient(tensorhooks.checkpoint), plain, rtol=0, atol=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="recomputation takes as_strided windows of the copy of an argument, whose storage "
-    "offsets are not the argument's: other elements are written",
-)
 def test_as_strided_window_of_an_argument_under_allow_mutation() -> None:
     """A write through an as_strided window of an argument reaches the same elements again."""
 
@@ -259,11 +243,6 @@ def test_as_strided_window_of_an_argument_under_allow_mutation() -> None:
     torch.testing.assert_close(gradient(tensorhooks.checkpoint), plain, rtol=0, atol=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="state that is a view, saved then written by a region and written again before "
-    "backward: under allow_mutation_on_saved_tensors recomputation reads the region's write",
-)
 def test_state_that_is_a_view_saved_then_written() -> None:
     """A view buffer saved, written in the region and after it: its value at the call is used."""
 

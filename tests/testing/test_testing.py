@@ -23,8 +23,6 @@ from tensorhooks.testing import (
     programs,
 )
 
-from .limits import known_limitation
-
 Factory = Callable[[], contextlib.AbstractContextManager[Any]]
 
 PAIRS: dict[str, tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]] = {
@@ -133,7 +131,6 @@ class TestEveryContext:
 def test_random_nestings(names: tuple[str, ...], disable: bool, program: Program) -> None:
     """Random nestings of every context, around programs with checkpoint regions, never lie."""
     assume(names not in KNOWN_LIMITATIONS)
-    assume(known_limitation(program) is None)
     assume(check_program(program, nested(names, disable=disable)))
 
 
