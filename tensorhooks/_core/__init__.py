@@ -7,4 +7,5 @@
 - `graph`: the names of ``torch.autograd.graph`` that tensorhooks re-exports as they are.
 - `compile`: how contexts behave under ``torch.compile``.
 - `late_grads`: parameters whose ``.grad`` lands at the end of backward.
+- `blocks`: the blocks of a model (its repeated children) and the checks of a block list.
 """

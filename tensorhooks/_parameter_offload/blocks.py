@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from tensorhooks._core.blocks import check_blocks, children_blocks
 from tensorhooks._core.errors import (
     ParameterOffloadDeviceError,
     ParameterOffloadTypeError,
@@ -18,52 +19,6 @@ from .slots import Block, Slot
 from .transfers import CudaTransfer, ParameterTransfer
 
 __all__ = ["build_blocks", "check_on_host", "resolve_transfer"]
-
-
-def _default_blocks(module: nn.Module) -> list[nn.Module]:
-    if isinstance(module, nn.ModuleList):
-        return list(module)
-    blocks: list[nn.Module] = []
-    for child in module.children():
-        blocks += list(child) if isinstance(child, nn.ModuleList) else [child]
-    return blocks
-
-
-def _check_blocks(module: nn.Module, blocks: list[nn.Module]) -> None:
-    if not blocks:
-        raise ParameterOffloadValueError(
-            f"offload_parameters: no blocks to stream in {type(module).__name__} (it has no "
-            "children); pass blocks=[...] with the submodules whose parameters move together"
-        )
-    submodules = {id(m) for m in module.modules()}
-    seen: dict[int, int] = {}
-    for index, block in enumerate(blocks):
-        if not isinstance(block, nn.Module):
-            raise ParameterOffloadTypeError(
-                f"offload_parameters: blocks[{index}] is {block!r} of type "
-                f"{type(block).__name__}, not an nn.Module; pass submodules of the model"
-            )
-        if id(block) not in submodules:
-            raise ParameterOffloadValueError(
-                f"offload_parameters: blocks[{index}] ({type(block).__name__}) is not a "
-                "submodule of the module given; pass only modules found in module.modules()"
-            )
-        if id(block) in seen:
-            raise ParameterOffloadValueError(
-                f"offload_parameters: blocks[{index}] is blocks[{seen[id(block)]}] again; list "
-                "each block once"
-            )
-        seen[id(block)] = index
-    for index, block in enumerate(blocks):
-        for inner in block.modules():
-            other = seen.get(id(inner))
-            if other is not None and other != index:
-                raise ParameterOffloadValueError(
-                    f"offload_parameters: blocks[{other}] ({type(inner).__name__}) is inside "
-                    f"blocks[{index}] ({type(block).__name__}), so its parameters would be in "
-                    "two blocks; pass blocks that do not contain one another (a parameter "
-                    "shared by two separate blocks is a tied weight, which is fine)"
-                )
 
 
 def build_blocks(
@@ -80,8 +35,14 @@ def build_blocks(
             f"offload_parameters: prefetch must be an int >= 0, got {prefetch!r}; pass 0 to copy "
             "each block only when it starts"
         )
-    modules = _default_blocks(module) if blocks is None else list(blocks)
-    _check_blocks(module, modules)
+    modules = children_blocks(module) if blocks is None else list(blocks)
+    check_blocks(
+        "offload_parameters",
+        module,
+        modules,
+        type_error=ParameterOffloadTypeError,
+        value_error=ParameterOffloadValueError,
+    )
     names = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
     slots: dict[int, Slot] = {}
     result = []

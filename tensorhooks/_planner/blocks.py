@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from tensorhooks._core.blocks import check_blocks, children_blocks
 from tensorhooks._core.errors import PlanArgumentTypeError, PlanArgumentValueError
 
 __all__ = ["default_blocks", "resolve_blocks"]
@@ -44,12 +45,7 @@ def default_blocks(model: nn.Module) -> list[nn.Module]:
         if members is not None and len(members) > len(best):
             best = members
         pending.extend(module.children())
-    if best:
-        return best
-    blocks: list[nn.Module] = []
-    for child in model.children():
-        blocks += list(child) if isinstance(child, nn.ModuleList) else [child]
-    return blocks
+    return best or children_blocks(model)
 
 
 def resolve_blocks(
@@ -67,36 +63,8 @@ def resolve_blocks(
             f"{caller}: model must be an nn.Module, got {model!r} of type {type(model).__name__}"
         )
     chosen = default_blocks(model) if blocks is None else list(blocks)
-    if not chosen:
-        raise PlanArgumentValueError(
-            f"{caller}: no blocks in {type(model).__name__} (it has no children); pass "
-            "blocks=[...] with the submodules to plan, such as model.model.layers"
-        )
+    check_blocks(
+        caller, model, chosen, type_error=PlanArgumentTypeError, value_error=PlanArgumentValueError
+    )
     names = {id(module): name for name, module in model.named_modules()}
-    seen: dict[int, int] = {}
-    for index, block in enumerate(chosen):
-        if not isinstance(block, nn.Module):
-            raise PlanArgumentTypeError(
-                f"{caller}: blocks[{index}] is {block!r} of type {type(block).__name__}, not an "
-                "nn.Module; pass submodules of the model"
-            )
-        if id(block) not in names:
-            raise PlanArgumentValueError(
-                f"{caller}: blocks[{index}] ({type(block).__name__}) is not a submodule of the "
-                "model; pass modules found in model.modules()"
-            )
-        if id(block) in seen:
-            raise PlanArgumentValueError(
-                f"{caller}: blocks[{index}] is blocks[{seen[id(block)]}] again; list each block "
-                "once"
-            )
-        seen[id(block)] = index
-    for index, block in enumerate(chosen):
-        for inner in block.modules():
-            other = seen.get(id(inner))
-            if other is not None and other != index:
-                raise PlanArgumentValueError(
-                    f"{caller}: blocks[{other}] is inside blocks[{index}]; pass blocks that do "
-                    "not contain one another"
-                )
     return [(names[id(block)] or "(model)", block) for block in chosen]

@@ -625,7 +625,7 @@ class TestErrors:
             (lambda m: [nn.Linear(2, 2)], r"blocks\[0\] \(Linear\) is not a submodule"),
             (lambda m: [m[0], m[0]], r"blocks\[1\] is blocks\[0\] again"),
             (lambda m: [m[0], m[0][0]], r"blocks\[1\] \(Linear\) is inside blocks\[0\]"),
-            (lambda m: [], "no blocks to stream"),
+            (lambda m: [], "no blocks in Sequential"),
         ],
     )
     def test_bad_blocks(self, blocks: Callable[[nn.Module], list[nn.Module]], match: str) -> None:
