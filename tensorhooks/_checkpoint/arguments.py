@@ -6,15 +6,22 @@ See NOTE [Checkpointing on saved-tensor hooks] in recomputation.py, "Inputs".
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
+from tensorhooks._core.errors import SavedTensorModifiedError
 from tensorhooks._core.guards import modified_error
-from tensorhooks._core.torch_compat import make_saved_tensor, storage_key, top_saved_tensors_hooks
+from tensorhooks._core.torch_compat import (
+    TorchDispatchMode,
+    below_python_modes,
+    make_saved_tensor,
+    storage_key,
+    top_saved_tensors_hooks,
+)
 
-__all__ = ["Arguments", "save_inputs"]
+__all__ = ["Arguments", "Windows", "save_inputs"]
 
 
 def _requiring_grad(tensor: torch.Tensor) -> torch.Tensor:
@@ -100,7 +107,9 @@ class Arguments:
         self.kwargs = _take_tensors(kwargs, tensors, seen)
         self.storages = _storages(tensors)
 
-    def as_called(self, tensors: list[torch.Tensor], *, writable: bool) -> list[torch.Tensor]:
+    def as_called(
+        self, tensors: list[torch.Tensor], *, writable: bool
+    ) -> tuple[list[torch.Tensor], Windows | None]:
         """The unpacked inputs ``tensors``, laid out in storage as they were in the call.
 
         Inputs that shared a storage in the call (a tensor and a view of it, overlapping
@@ -111,13 +120,22 @@ class Arguments:
         out again. With ``writable`` (the function writes its inputs) every input is a
         non-leaf copy, so the recomputation's writes stay in it. The copies are connected to
         nothing that matters for the gradient: recomputation only reads their values.
+
+        Returns:
+            The inputs, and the `Windows` recomputation must stay within: where the storage
+            the inputs shared was changed since the call, only the inputs' own elements hold
+            what the forward pass read (None when every element does).
         """
         result = list(tensors)
+        windows = Windows()
         with torch.enable_grad():
             for group in self.storages:
                 if writable or not _laid_out(tensors, group):
                     _share(result, tensors, group)
-        return result
+                    owner = group.owner()
+                    if owner is None or owner._version != group.version:
+                        windows.allow(result[group.members[0][0]], group)
+        return result, (windows if windows.spans else None)
 
     def rebuild(self, tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The arguments again, with ``tensors`` in the places the inputs were."""
@@ -135,6 +153,7 @@ class _Storage(NamedTuple):
 
     members: list[tuple[int, _Layout]]
     owner: weakref.ref[torch.Tensor]
+    version: int  # the owner's, at the call
 
 
 def _storages(tensors: list[torch.Tensor]) -> list[_Storage]:
@@ -148,7 +167,7 @@ def _storages(tensors: list[torch.Tensor]) -> list[_Storage]:
         group = groups.get((key, tensor.dtype))
         if group is None:
             owner = tensor if tensor._base is None else tensor._base
-            group = groups[key, tensor.dtype] = _Storage([], weakref.ref(owner))
+            group = groups[key, tensor.dtype] = _Storage([], weakref.ref(owner), owner._version)
         group.members.append((index, layout))
     return list(groups.values())
 
@@ -226,3 +245,75 @@ def save_inputs(tensors: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]
         return list(tensors)
 
     return unpack_checked
+
+
+class Windows:
+    """The elements of rebuilt storages that hold what the forward pass read.
+
+    See `Arguments.as_called`: past the inputs' own elements such a storage holds today's
+    values, so a window reaching there (``as_strided``) must raise rather than read them.
+    """
+
+    __slots__ = ("spans",)
+
+    def __init__(self) -> None:
+        # storage key -> a mask over its elements, True where an input's element lies
+        self.spans: dict[int | None, torch.Tensor] = {}
+
+    def allow(self, tensor: torch.Tensor, group: _Storage) -> None:
+        """Allow the elements of ``group``'s inputs, on the storage ``tensor`` now lives on."""
+        extent = max(_end(layout) for _, layout in group.members)
+        with below_python_modes():
+            mask = torch.zeros(extent, dtype=torch.bool)
+            for _, layout in group.members:
+                mask.as_strided(layout.size, layout.stride, layout.offset).fill_(True)
+        self.spans[storage_key(tensor)] = mask
+
+    def check(self, tensor: torch.Tensor, layout: _Layout) -> None:
+        """Raise if a window ``layout`` of ``tensor``'s storage reaches past the inputs."""
+        mask = self.spans.get(storage_key(tensor))
+        if mask is None:
+            return
+        with below_python_modes():
+            inside = _end(layout) <= mask.numel() and bool(
+                mask.as_strided(layout.size, layout.stride, layout.offset).all()
+            )
+        if inside:
+            return
+        raise SavedTensorModifiedError(
+            "one of the variables needed for gradient computation has been modified by an "
+            "inplace operation: the checkpointed function takes an as_strided window of an "
+            f"argument's storage (offset {layout.offset}, size {list(layout.size)}, stride "
+            f"{list(layout.stride)}) that reaches past its arguments, and that storage was "
+            "changed in place since the call, so recomputation cannot read what the forward "
+            "pass read. Pass the tensor the window reads as an argument, or change it after "
+            "backward."
+        )
+
+    def mode(self) -> _WindowGuard:
+        """The dispatch mode that checks recomputation's ``as_strided`` windows."""
+        return _WindowGuard(self)
+
+
+_WINDOWS = frozenset({"aten::as_strided", "aten::as_strided_"})
+
+
+class _WindowGuard(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
+    def __init__(self, windows: Windows) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's __init__ is untyped
+        self.windows = windows
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = {} if kwargs is None else kwargs
+        if func._schema.name in _WINDOWS:
+            source, size, stride, *rest = args
+            offset = rest[0] if rest else kwargs.get("storage_offset")
+            start = source.storage_offset() if offset is None else int(offset)
+            self.windows.check(source, _Layout(start, tuple(size), tuple(stride)))
+        return func(*args, **kwargs)

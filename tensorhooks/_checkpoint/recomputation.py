@@ -254,7 +254,7 @@ class Frame:
         self._check(state)
 
     def _run_again(self, state: _Recomputation, inputs: list[torch.Tensor]) -> None:
-        tensors = self.arguments.as_called(inputs, writable=self.clone_inputs)
+        tensors, windows = self.arguments.as_called(inputs, writable=self.clone_inputs)
         args, kwargs = self.arguments.rebuild(tensors)
         pack, unpack = current_save_guard().wrap(
             functools.partial(_keep_recomputed, self, state), _identity
@@ -264,9 +264,16 @@ class Frame:
         substitute = (
             contextlib.nullcontext() if state.substitution is None else state.substitution.mode()
         )
+        guard = contextlib.nullcontext() if windows is None else windows.mode()
         _recomputing.depth += 1
         try:
-            with torch.enable_grad(), self.region.replay(), substitute, self.recompute_context:
+            with (
+                torch.enable_grad(),
+                self.region.replay(),
+                guard,
+                substitute,
+                self.recompute_context,
+            ):
                 self.run(*args, **kwargs)
         except _StopRecomputation:
             pass

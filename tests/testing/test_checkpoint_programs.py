@@ -224,23 +224,33 @@ def test_state_written_in_a_region_and_backward_twice() -> None:
     torch.testing.assert_close(gradient(tensorhooks.checkpoint), plain, rtol=0, atol=0)
 
 
+def _window_gradient(checkpoint: Callable[..., Any], offset: int) -> torch.Tensor:
+    """The gradient of a region writing ``x.as_strided((2,), (1,), offset)``, x = leaf[1]."""
+    leaf = _leaf()
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            x.as_strided((2,), (1,), offset).add_(-1.5)
+        return x * x
+
+    with tensorhooks.allow_mutation_on_saved_tensors():
+        (grad,) = torch.autograd.grad(checkpoint(region, leaf[1]).sum(), [leaf])
+    return grad
+
+
 def test_as_strided_window_of_an_argument_under_allow_mutation() -> None:
     """A write through an as_strided window of an argument reaches the same elements again."""
+    plain = _window_gradient(lambda function, *args: function(*args), 4)  # leaf[1, :2]: x's
+    torch.testing.assert_close(_window_gradient(tensorhooks.checkpoint, 4), plain, rtol=0, atol=0)
 
-    def gradient(checkpoint: Callable[..., Any]) -> torch.Tensor:
-        leaf = _leaf()
 
-        def region(x: torch.Tensor) -> torch.Tensor:
-            with torch.no_grad():
-                x.as_strided((2,), (1,), 0).add_(-1.5)  # leaf[0, :2], not x = leaf[1]
-            return x * x
+def test_as_strided_window_past_the_argument_written_by_the_region_raises() -> None:
+    """A window past the argument (leaf[0, :2], x = leaf[1]) written by the region: it raises.
 
-        with tensorhooks.allow_mutation_on_saved_tensors():
-            (grad,) = torch.autograd.grad(checkpoint(region, leaf[1]).sum(), [leaf])
-        return grad
-
-    plain = gradient(lambda function, *args: function(*args))
-    torch.testing.assert_close(gradient(tensorhooks.checkpoint), plain, rtol=0, atol=0)
+    The forward pass changed those elements, so their values at the call are gone.
+    """
+    with pytest.raises(tensorhooks.SavedTensorModifiedError, match="reaches past its arguments"):
+        _window_gradient(tensorhooks.checkpoint, 0)
 
 
 def test_state_that_is_a_view_saved_then_written() -> None:
@@ -265,3 +275,20 @@ def test_state_that_is_a_view_saved_then_written() -> None:
 
     plain = gradient(lambda function, *args: function(*args))
     torch.testing.assert_close(gradient(tensorhooks.checkpoint), plain, rtol=0, atol=0)
+
+
+def test_as_strided_window_past_the_argument_of_a_changed_storage_raises() -> None:
+    """A window reaching past the argument, whose storage changed after the call: it raises."""
+    leaf = _leaf()
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        return x * x.as_strided((2, 2), (2, 1), 1).sum()  # element 4 is leaf[1, 0], not x's
+
+    with tensorhooks.allow_mutation_on_saved_tensors():
+        out = tensorhooks.checkpoint(region, leaf[0::2])
+        with torch.no_grad():
+            leaf.add_(-1.5)
+        with pytest.raises(
+            tensorhooks.SavedTensorModifiedError, match="reaches past its arguments"
+        ):
+            torch.autograd.grad(out.sum(), [leaf])
