@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.autograd import graph as torch_graph
 
 from tensorhooks._core.compile import not_traced
 from tensorhooks._core.guards import _ALIASED, SaveGuard, current_save_guard, modified_error
@@ -137,14 +138,14 @@ def _guarded_pair(
     return (pack_any if session.cpu_is_device else pack), unpack
 
 
-class save_on_cpu(saved_tensors_hooks):
+class save_on_cpu(saved_tensors_hooks, torch_graph.save_on_cpu):
     """Context manager under which tensors saved for backward wait in host memory.
 
     Tensors that ops save for backward inside the context are copied to host memory and copied
     back to their device (same dtype, layout, shape and, when dense, strides) when backward needs
     them, so that device memory holds fewer activations between forward and backward. Same
-    positional signature, defaults and semantics as
-    `torch.autograd.graph.save_on_cpu`, plus:
+    positional signature, defaults and semantics as `torch.autograd.graph.save_on_cpu` (of which
+    it is a subclass, as of torch's ``saved_tensors_hooks``), plus:
 
     - with ``pin_memory=True`` on a device with streams (CUDA, XPU, ...), copies run on a side
       stream and overlap compute; backward copies the next saved tensors back ahead of use

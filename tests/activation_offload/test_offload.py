@@ -172,6 +172,13 @@ class TestSaveOnCpu:
         assert callable(hooks.pack_hook)
         assert callable(hooks.unpack_hook)
 
+    def test_is_an_instance_of_torchs_classes(self) -> None:
+        """An instance is also one of torch's save_on_cpu and saved_tensors_hooks classes."""
+        hooks = th.save_on_cpu(True, "cuda", prefetch=1)
+        assert isinstance(hooks, torch.autograd.graph.save_on_cpu)
+        assert isinstance(hooks, torch.autograd.graph.saved_tensors_hooks)
+        assert (hooks.pin_memory, hooks.device_type, hooks.prefetch) == (True, "cuda", 1)
+
     @pytest.mark.parametrize(
         ("kwargs", "match"),
         [
@@ -183,7 +190,7 @@ class TestSaveOnCpu:
     )
     def test_wrong_argument_types_raise(self, kwargs: dict[str, Any], match: str) -> None:
         """An argument of the wrong type raises a TypeError naming it and the value seen."""
-        with pytest.raises(th.InvalidHookArgumentError, match=match):
+        with pytest.raises(th.HookArgumentTypeError, match=match):
             th.save_on_cpu(**kwargs)
         with pytest.raises(TypeError):
             th.save_on_cpu(**kwargs)
@@ -192,7 +199,7 @@ class TestSaveOnCpu:
     def test_pin_memory_refuses_a_string(self, value: str) -> None:
         """A string pin_memory is refused: torch reads "false" as True."""
         with pytest.raises(
-            th.InvalidHookArgumentError, match=r"pin_memory must be a bool, got '.*' of type str"
+            th.HookArgumentTypeError, match=r"pin_memory must be a bool, got '.*' of type str"
         ):
             th.save_on_cpu(value)  # type: ignore[arg-type]
 
@@ -206,7 +213,7 @@ class TestSaveOnCpu:
     def test_unknown_device_type_raises(self, device_type: str, match: str) -> None:
         """A device_type torch does not know is a ValueError (torch falls back to CUDA's)."""
         torch.autograd.graph.save_on_cpu(device_type=device_type)
-        with pytest.raises(th.InvalidOffloadOptionError, match=match) as caught:
+        with pytest.raises(th.OffloadArgumentValueError, match=match) as caught:
             th.save_on_cpu(device_type=device_type)
         assert isinstance(caught.value, ValueError)
 
@@ -231,7 +238,7 @@ class TestSaveOnCpu:
     @pytest.mark.parametrize("name", ["min_offload_bytes", "prefetch", "max_in_flight"])
     def test_negative_numbers_raise(self, name: str) -> None:
         """A negative option raises a ValueError that says what 0 would do."""
-        with pytest.raises(th.InvalidOffloadOptionError, match=rf"{name} must be >= 0, got -1"):
+        with pytest.raises(th.OffloadArgumentValueError, match=rf"{name} must be >= 0, got -1"):
             th.save_on_cpu(**{name: -1})
         with pytest.raises(ValueError, match="pass 0 to"):
             th.save_on_cpu(**{name: -1})
