@@ -216,6 +216,8 @@ class Session:
     before the ops that follow it (0).
     """
 
+    __slots__ = ("cpu_is_device", "entry", "lock", "options", "pending", "provider")
+
     def __init__(
         self, options: OffloadOptions, guard: SaveGuard, provider: CopyEngineProvider
     ) -> None:
