@@ -97,9 +97,19 @@ def main() -> None:
     parser.add_argument(
         "--accumulate", action="store_true", help="keep .grad across steps (no zero_grad)"
     )
+    parser.add_argument(
+        "--optimizer", action="store_true", help="an SGD step after backward, as in training"
+    )
+    parser.add_argument(
+        "--per-layer",
+        action="store_true",
+        help="the MLP with one context per Linear+ReLU (contexts whose backward runs outside)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     context, backward_inside = CONTEXTS[args.context]
+    if args.per_layer and (args.model != "mlp" or backward_inside):
+        parser.error("--per-layer takes --model mlp and a context whose backward runs outside")
     if args.model == "transformer":
         config = LlamaConfig()
         model: torch.nn.Module = TinyLlama(config)
@@ -110,22 +120,34 @@ def main() -> None:
     else:
         model = mlp(50)
         batch = torch.randn(8, 64)
+        blocks = [model[index : index + 2] for index in range(0, len(model), 2)]
 
         def loss() -> torch.Tensor:
-            return model(batch).sum()  # type: ignore[no-any-return]
+            if not args.per_layer:
+                return model(batch).sum()  # type: ignore[no-any-return]
+            h = batch
+            for block in blocks:
+                with context():
+                    h = block(h)
+            return h.sum()
 
     params = list(model.parameters())
+    # lr 0: every update runs, the weights stay (the count does not depend on their values).
+    sgd = torch.optim.SGD(params, lr=0.0) if args.optimizer else None
+    outer = contextlib.nullcontext if args.per_layer else context
 
     def step() -> None:
         if not args.accumulate:
             for param in params:
                 param.grad = None
-        with context():
+        with outer():
             value = loss()
             if backward_inside:
                 value.backward()  # type: ignore[no-untyped-call]
         if not backward_inside:
             value.backward()  # type: ignore[no-untyped-call]
+        if sgd is not None:
+            sgd.step()
 
     with tempfile.TemporaryDirectory() as directory:
         client = _client_library(Path(directory))

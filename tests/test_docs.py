@@ -197,3 +197,22 @@ def test_readme_docs_server_line_has_ruff() -> None:
     """The README's mkdocs serve line installs ruff, which wraps long signatures."""
     serve = next(c for c in _readme_commands() if "mkdocs serve" in c)
     assert re.search(r"\bruff\b", serve)
+
+
+def test_errors_are_named_by_their_class_name_outside_the_errors_page() -> None:
+    """README and docs name an error by its class name; its earlier alias only on errors.md."""
+    import tensorhooks
+
+    aliases = [
+        name
+        for name in tensorhooks.__all__
+        if isinstance(value := getattr(tensorhooks, name), type)
+        and issubclass(value, BaseException)
+        and value.__name__ != name
+        and value.__module__.startswith("tensorhooks")
+    ]
+    assert aliases  # the four earlier names
+    for page in PAGES:
+        if page.name != "errors.md":
+            named = [alias for alias in aliases if alias in page.read_text()]
+            assert named == [], f"{page.name} names {named}; use the class names"

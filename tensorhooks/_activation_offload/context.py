@@ -13,9 +13,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.autograd import graph as torch_graph
 
 from tensorhooks._core.compile import not_traced
-from tensorhooks._core.guards import _ALIASED, SaveGuard, current_save_guard, modified_error
+from tensorhooks._core.guards import _ALIASED, current_save_guard, modified_error
 from tensorhooks._core.torch_compat import (
     is_newest_node,
     pop_saved_tensors_hooks,
@@ -137,14 +138,49 @@ def _guarded_pair(
     return (pack_any if session.cpu_is_device else pack), unpack
 
 
-class save_on_cpu(saved_tensors_hooks):
+class _OpenEntries(threading.local):
+    """The save_on_cpu entries open on this thread, innermost last: (its `_PackByHand`, session)."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[_PackByHand, Session]] = []
+
+
+_open = _OpenEntries()
+
+
+class _PackByHand:
+    """The ``pack_hook`` attribute of a save_on_cpu instance, which its own entries do not push.
+
+    Called by hand, or through another context: inside an entry of its instance on this thread it
+    packs as that entry does; outside, it packs alone and fences the copy at once. It also marks
+    the instance's entries on the thread's list. It holds the options, not the instance: an
+    instance holding a bound method of itself is a reference cycle, which only the cyclic garbage
+    collector frees, at a cost paid at every ``with save_on_cpu():``.
+    """
+
+    __slots__ = ("options",)
+
+    def __init__(self, options: OffloadOptions) -> None:
+        self.options = options
+
+    def __call__(self, tensor: torch.Tensor) -> object:
+        for owner, session in reversed(_open.entries):
+            if owner is self:
+                return session.pack(tensor)
+        session = Session(self.options, current_save_guard(), copy_engine_provider())
+        packed = session.pack(tensor)
+        session.close()
+        return packed
+
+
+class save_on_cpu(saved_tensors_hooks, torch_graph.save_on_cpu):
     """Context manager under which tensors saved for backward wait in host memory.
 
     Tensors that ops save for backward inside the context are copied to host memory and copied
     back to their device (same dtype, layout, shape and, when dense, strides) when backward needs
     them, so that device memory holds fewer activations between forward and backward. Same
-    positional signature, defaults and semantics as
-    `torch.autograd.graph.save_on_cpu`, plus:
+    positional signature, defaults and semantics as `torch.autograd.graph.save_on_cpu` (of which
+    it is a subclass, as of torch's ``saved_tensors_hooks``), plus:
 
     - with ``pin_memory=True`` on a device with streams (CUDA, XPU, ...), copies run on a side
       stream and overlap compute; backward copies the next saved tensors back ahead of use
@@ -223,8 +259,8 @@ class save_on_cpu(saved_tensors_hooks):
             prefetch=prefetch,
             max_in_flight=max_in_flight,
         )
-        self._entries = threading.local()
-        super().__init__(self._pack, _unpack)
+        self._by_hand = _PackByHand(self._options)
+        super().__init__(self._by_hand, _unpack)
 
     @property
     def pin_memory(self) -> bool:
@@ -287,32 +323,20 @@ class save_on_cpu(saved_tensors_hooks):
             return OffloadStats(0, 0, 0, 0, 0, 0)
         return pool_of(engine).stats()
 
-    def _session(self, guard: SaveGuard) -> Session:
-        return Session(self._options, guard, copy_engine_provider())
-
-    def _pack(self, tensor: torch.Tensor) -> object:
-        """Pack outside any entry (a direct call of ``pack_hook``): fence the copy at once."""
-        stack: list[Session] | None = getattr(self._entries, "stack", None)
-        if stack:
-            return stack[-1].pack(tensor)
-        session = self._session(current_save_guard())
-        packed = session.pack(tensor)
-        session.close()
-        return packed
-
     def __enter__(self) -> None:
         guard = current_save_guard()
-        session = self._session(guard)
+        session = Session(self._options, guard, copy_engine_provider())
         if guard.version_check_may_be_inlined:
             pack, unpack = _guarded_pair(session)
         else:
             pack, unpack = guard.wrap(session.pack, _unpack)
         push_saved_tensors_hooks(pack, unpack)
-        stack: list[Session] | None = getattr(self._entries, "stack", None)
-        if stack is None:
-            stack = self._entries.stack = []
-        stack.append(session)
+        _open.entries.append((self._by_hand, session))
 
     def __exit__(self, *args: object) -> None:
         pop_saved_tensors_hooks()
-        self._entries.stack.pop().close()
+        entries = _open.entries
+        for index in range(len(entries) - 1, -1, -1):  # the last one, when exits are nested
+            if entries[index][0] is self._by_hand:
+                entries.pop(index)[1].close()
+                return

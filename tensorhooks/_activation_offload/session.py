@@ -57,11 +57,53 @@ class OffloadOptions:
     ) -> OffloadOptions:
         """Check the arguments of ``save_on_cpu`` (callers may pass any type) and build the record.
 
+        Arguments checked before are not checked again (see `_VALIDATED`).
+
         Raises:
             HookArgumentTypeError: if an argument has the wrong type (a ``TypeError``).
             OffloadArgumentValueError: if a number is negative or ``device_type`` is not a device
                 type (a ``ValueError``).
         """
+        arguments = (
+            pin_memory,
+            device_type,
+            min_offload_bytes,
+            offload_parameters,
+            prefetch,
+            max_in_flight,
+        )
+        key = (*arguments, *map(type, arguments))
+        try:
+            known = _VALIDATED.get(key)
+        except TypeError:  # an unhashable argument: checked every time
+            known, remember = None, False
+        else:
+            remember = type(pin_memory) is bool and len(_VALIDATED) < _VALIDATED_MAX
+        if known is not None:
+            return known
+        options = cls._checked(
+            pin_memory,
+            device_type,
+            min_offload_bytes=min_offload_bytes,
+            offload_parameters=offload_parameters,
+            prefetch=prefetch,
+            max_in_flight=max_in_flight,
+        )
+        if remember:
+            _VALIDATED[key] = options
+        return options
+
+    @classmethod
+    def _checked(
+        cls,
+        pin_memory: object,
+        device_type: str,
+        *,
+        min_offload_bytes: int,
+        offload_parameters: bool,
+        prefetch: int,
+        max_in_flight: int,
+    ) -> OffloadOptions:
         for name, value, kind in (
             ("device_type", device_type, str),
             ("offload_parameters", offload_parameters, bool),
@@ -94,6 +136,15 @@ class OffloadOptions:
             prefetch=prefetch,
             max_in_flight=max_in_flight,
         )
+
+
+# Options already built, by their arguments and the arguments' types (True and 1 are equal keys
+# otherwise, and only one is a valid size). A program makes its contexts with a few sets of
+# arguments, once per step or once per layer; checking them again (torch.device parses the
+# device type) cost more than the rest of entering the context. Only a bool ``pin_memory`` is
+# remembered (torch takes any truthy object there), and at most `_VALIDATED_MAX` sets.
+_VALIDATED: dict[tuple[object, ...], OffloadOptions] = {}
+_VALIDATED_MAX = 64
 
 
 def _check_pin_memory_and_device_type(pin_memory: object, device_type: str) -> None:
@@ -164,6 +215,8 @@ class Session:
     (``allow_mutation_on_saved_tensors``): changes are then expected, so each copy is ordered
     before the ops that follow it (0).
     """
+
+    __slots__ = ("cpu_is_device", "entry", "lock", "options", "pending", "provider")
 
     def __init__(
         self, options: OffloadOptions, guard: SaveGuard, provider: CopyEngineProvider
@@ -247,6 +300,8 @@ class Session:
 
     def close(self) -> None:
         """Fence every pending copy: after the context, writes and reuse are ordered after them."""
+        if not self.pending:  # only pack, on this entry's thread, adds: nothing can come now
+            return
         with self.lock:
             while self.pending:
                 self.pending.popleft().fence()

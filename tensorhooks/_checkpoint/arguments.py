@@ -226,7 +226,7 @@ def save_inputs(tensors: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]
         saved = [make_saved_tensor(tensor, is_output=False) for tensor in tensors]
         return lambda: [item.unpack() for item in saved]
     # Releases before 2.12: do what a node's SavedVariable does, by hand.
-    top = top_saved_tensors_hooks() if top_saved_tensors_hooks is not None else None
+    top = top_saved_tensors_hooks()
     if top is not None:
         pack, unpack = top
         packed = [(pack(tensor), tensor.requires_grad) for tensor in tensors]

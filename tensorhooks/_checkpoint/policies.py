@@ -73,8 +73,7 @@ __all__ = [
 
 PolicyFn = Callable[..., Any]
 
-# By name: on torch releases whose enum lacks the offload members, tensorhooks has its own (see
-# `_core.torch_compat.CheckpointPolicy`), and policies may return either enum's members.
+# By name: a member's kind (save, offload, recompute) is the end of its name.
 _SAVE = frozenset({"MUST_SAVE", "PREFER_SAVE"})
 _OFFLOAD = frozenset({"MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD"})
 _RECOMPUTE = frozenset({"MUST_RECOMPUTE", "PREFER_RECOMPUTE"})
@@ -87,10 +86,7 @@ _IGNORED: frozenset[Any] = frozenset(
 
 
 def _make_policy_context(output: object) -> SelectiveCheckpointContext:
-    try:
-        return SelectiveCheckpointContext(is_recompute=False, op_output=output)
-    except TypeError:  # torch before 2.10 has no op_output
-        return SelectiveCheckpointContext(is_recompute=False)
+    return SelectiveCheckpointContext(is_recompute=False, op_output=output)
 
 
 def _identity(value: Any) -> Any:

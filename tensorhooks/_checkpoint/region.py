@@ -328,7 +328,7 @@ def _run_region(
         error_cb=error_cb,
     )
     # The arguments keep what is not a tensor; tensors come back through the saved form.
-    unhooked = top_saved_tensors_hooks is not None and top_saved_tensors_hooks() is None
+    unhooked = top_saved_tensors_hooks() is None
     frame.inputs = save_inputs(tensors)
     frame.arguments = arguments
     frame.outside = OutsideState(function, tensors)
@@ -336,7 +336,7 @@ def _run_region(
     offload: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if isinstance(forward_context, SelectiveForward):
         offload = forward_context.offload_context()
-        if respect_hooks and top_saved_tensors_hooks is not None:
+        if respect_hooks:
             forward_context.save_through(top_saved_tensors_hooks())
     pack, unpack = current_save_guard().wrap(frame.pack, unpack_holder)
     register_protected_pack_hook(pack)

@@ -10,8 +10,6 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import torch
-
 from .torch_compat import skip_code_in_dynamo
 
 __all__ = ["not_traced", "warn_compile_skipped"]
@@ -32,7 +30,7 @@ __all__ = ["not_traced", "warn_compile_skipped"]
 # frame while a non-infra dispatch mode is active (torch's context included): a compiled
 # function called inside the context runs eagerly. torch says nothing; we warn once per process
 # (`warn_compile_skipped`), from the mode's ``ignore_compile_internals``, which Dynamo asks only
-# when it is about to compile a frame (torch 2.9 and later; no warning before).
+# when it is about to compile a frame.
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -47,8 +45,7 @@ def not_traced(what: str) -> Callable[[_F], _F]:
     says so (`skip_code_in_dynamo`, recursively) and refuses to inline a function carrying
     ``_torchdynamo_disable``, breaking the graph with ``_torchdynamo_disable_msg`` as the reason,
     which is what ``torch.compiler.disable(fn, reason=...)`` sets up. Each marked function gets
-    its own code object, so that marking it marks nothing else. On a torch that cannot mark code
-    objects, ``torch.compiler.disable`` does it, importing Dynamo.
+    its own code object, so that marking it marks nothing else.
     """
     reason = (
         f"tensorhooks.{what} cannot be entered inside a torch.compile'd function; enter it "
@@ -57,8 +54,7 @@ def not_traced(what: str) -> Callable[[_F], _F]:
 
     def mark(fn: _F) -> _F:
         entry = _fresh_entry(fn)
-        if not skip_code_in_dynamo(entry.__code__):
-            return torch.compiler.disable(fn, reason=reason)  # type: ignore[no-any-return, no-untyped-call]
+        skip_code_in_dynamo(entry.__code__)
         entry._torchdynamo_disable = True  # type: ignore[attr-defined]  # read by Dynamo
         entry._torchdynamo_disable_msg = reason  # type: ignore[attr-defined]
         return entry  # type: ignore[return-value]

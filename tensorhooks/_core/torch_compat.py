@@ -15,9 +15,7 @@ except `make_saved_tensor` (from 2.12; its fallback runs on 2.11). See docs/torc
 from __future__ import annotations
 
 import contextlib
-import enum
 import functools
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -72,7 +70,6 @@ __all__ = [
     "torch_checkpoint_early_stop_override",
     "torch_checkpoint_takes",
     "torch_selective_checkpoint_modes",
-    "warn_once",
     "will_engine_execute_node",
     "will_engine_execute_nodes",
 ]
@@ -88,16 +85,6 @@ TORCH_VERSION: tuple[int, int] = _release(torch.__version__)
 
 # The oldest torch tensorhooks supports: the floor of pyproject.toml (see docs/torch-versions.md).
 SUPPORTED_FLOOR = "2.11"
-
-_warned: set[str] = set()
-
-
-def warn_once(key: str, message: str) -> None:
-    """Warn with ``message`` the first time ``key`` is seen in this process (a degraded check)."""
-    if key in _warned:
-        return
-    _warned.add(key)
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def _required(owner: Any, path: str, since: str) -> Any:
@@ -227,27 +214,13 @@ enable_saved_tensors_hooks: Callable[[], None] = _required(
 
 _HookPair = tuple[Callable[..., Any], Callable[..., Any]]
 
-
-def _find_top_hooks() -> Callable[[], _HookPair | None] | None:
-    top: Callable[..., _HookPair | None] | None = getattr(
-        torch._C._autograd, "_top_saved_tensors_default_hooks", None
-    )
-    if top is None:
-        return None
-    try:
-        top(False)
-    except TypeError:  # a reader without the argument (none known: 2.8 to 2.15 all take it)
-        return top
-    # A partial of a builtin is called without a Python frame: this runs once per autograd node
-    # created under allow_mutation_on_saved_tensors.
-    return functools.partial(top, False)
-
-
-# The innermost (pack, unpack) pair pushed on this thread, or None. Known on torch 2.8, whose
-# reader takes one argument (ignore the "is tracing" state), like every release up to 2.15 at
-# least. None before 2.8: allow_mutation_on_saved_tensors then warns once, on entry, that its
-# UnguardedHooksError check is off.
-top_saved_tensors_hooks: Callable[[], _HookPair | None] | None = _find_top_hooks()
+# The innermost (pack, unpack) pair pushed on this thread, or None. Known on torch 2.8; its reader
+# takes one argument (ignore the "is tracing" state) on every release from 2.8 to 2.15. A partial
+# of a builtin is called without a Python frame: this runs once per autograd node created under
+# allow_mutation_on_saved_tensors.
+top_saved_tensors_hooks: Callable[[], _HookPair | None] = functools.partial(
+    _required(torch, "_C._autograd._top_saved_tensors_default_hooks", "2.8"), False
+)
 
 
 # --- Tensors ----------------------------------------------------------------------------------
@@ -333,23 +306,22 @@ def op_call(func: OpOverload) -> Callable[..., Any]:
     return func
 
 
-def skip_code_in_dynamo(code: Any) -> bool:
-    """Make Dynamo skip ``code`` and everything it calls; False where this torch cannot.
+# Dynamo's per-code-object execution strategies, in a C module (reading it does not import
+# torch._dynamo). Known on torch 2.7.
+_set_code_exec_strategy: Callable[[Any, Any], None] = _required(
+    torch, "_C._dynamo.eval_frame.set_code_exec_strategy", "2.7"
+)
+_FrameExecStrategy: Any = _required(torch, "_C._dynamo.eval_frame._FrameExecStrategy", "2.7")
+_FRAME_SKIP: Any = _required(torch, "_C._dynamo.eval_frame._FrameAction.SKIP", "2.7")
+
+
+def skip_code_in_dynamo(code: Any) -> None:
+    """Make Dynamo skip ``code`` and everything it calls.
 
     ``set_code_exec_strategy`` is what ``torch._dynamo.disable(recursive=True)`` amounts to, at no
-    per-call cost. Known on torch 2.7 (not in 2.6); False before, and callers keep torch's own
-    ``torch._dynamo.disable`` wrapper then.
+    per-call cost, without importing ``torch._dynamo``. Known on torch 2.7.
     """
-    try:
-        from torch._C._dynamo import eval_frame  # noqa: PLC0415 (optional, private module)
-
-        strategy = eval_frame._FrameExecStrategy(
-            eval_frame._FrameAction.SKIP, eval_frame._FrameAction.SKIP
-        )
-        eval_frame.set_code_exec_strategy(code, strategy)
-    except (ImportError, AttributeError, TypeError, RuntimeError):
-        return False
-    return True
+    _set_code_exec_strategy(code, _FrameExecStrategy(_FRAME_SKIP, _FRAME_SKIP))
 
 
 class UnwrappedDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
@@ -358,8 +330,8 @@ class UnwrappedDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     TorchDispatchMode wraps each subclass's ``__torch_dispatch__`` in ``torch._disable_dynamo``
     (a Python wrapper that costs about as much per operator as a small handler) unless the
     class's ``_should_skip_dynamo()`` answers False; torch asks once, when the subclass is
-    created. A subclass sets ``handler_skipped_by_dynamo`` to what `skip_code_in_dynamo` returned
-    for its handler's code: True leaves the wrapper off, False keeps it. The hook is known on
+    created. A subclass that passed its handler's code to `skip_code_in_dynamo` sets
+    ``handler_skipped_by_dynamo`` to True, which leaves the wrapper off. The hook is known on
     torch 2.11 (the oldest release checked); a torch that never asks it wraps or not as it
     decides, which is correct either way.
     """
@@ -446,33 +418,16 @@ def torch_checkpoint_debug_tools() -> tuple[Callable[[], Any], Callable[[Excepti
     return None if tools is None else tools()
 
 
-def _checkpoint_policy() -> type[enum.Enum]:
-    """Torch's ``CheckpointPolicy`` where it has the ``*_CPU_OFFLOAD`` members, else one that does.
+def _checkpoint_policy() -> Any:
+    """Torch's ``CheckpointPolicy``, whose ``*_CPU_OFFLOAD`` members are known on torch 2.11."""
+    import torch.utils.checkpoint as torch_checkpoint  # noqa: PLC0415 (imports the profiler)
 
-    torch 2.8 has the four save / recompute members only; the offload ones are known on 2.11 (the
-    floor), so the stand-in is for older releases. There tensorhooks' enum has the same six
-    names (policies are compared by name, so a policy function returning torch's members works
-    with either).
-    """
-    from torch.utils.checkpoint import CheckpointPolicy as TorchPolicy  # noqa: PLC0415
-
-    if hasattr(TorchPolicy, "MUST_CPU_OFFLOAD"):
-        return TorchPolicy
-    return enum.Enum(  # type: ignore[return-value]
-        "CheckpointPolicy",
-        [
-            ("MUST_SAVE", 0),
-            ("PREFER_SAVE", 1),
-            ("MUST_RECOMPUTE", 2),
-            ("PREFER_RECOMPUTE", 3),
-            ("MUST_CPU_OFFLOAD", 4),
-            ("PREFER_CPU_OFFLOAD", 5),
-        ],
-        module="tensorhooks",
-    )
+    policy = _required(torch_checkpoint, "CheckpointPolicy", "2.4")
+    _required(policy, "MUST_CPU_OFFLOAD", "2.11")
+    return policy
 
 
-# What `tensorhooks.CheckpointPolicy` is: torch's enum on releases with CPU offload members.
+# What `tensorhooks.CheckpointPolicy` is: torch's enum itself.
 CheckpointPolicy: Any = _checkpoint_policy()
 
 

@@ -25,7 +25,7 @@ from tensorhooks._core.torch_compat import (
 __all__ = ["disable_saved_tensors_hooks", "saved_tensors_hooks"]
 
 
-class saved_tensors_hooks:
+class saved_tensors_hooks(torch_graph.saved_tensors_hooks):
     """Context manager that sets a pair of pack/unpack hooks for tensors saved for backward.
 
     Inside the context, ``pack_hook`` is called every time an operation saves a tensor for
@@ -36,7 +36,8 @@ class saved_tensors_hooks:
     Same semantics as `torch.autograd.graph.saved_tensors_hooks`, plus one safety net: if
     ``pack_hook`` returns the tensor it was given, or anything sharing its storage, and that
     tensor is then changed in place before backward, unpacking raises autograd's own in-place
-    error instead of handing back the changed data.
+    error instead of handing back the changed data. A subclass of torch's class, so that code
+    asking ``isinstance(ctx, torch.autograd.graph.saved_tensors_hooks)`` takes it as torch's.
 
     Example:
         >>> import torch, tensorhooks
@@ -75,6 +76,8 @@ class saved_tensors_hooks:
                 f"saved_tensors_hooks: {name} must be callable, got {value!r} of type "
                 f"{type(value).__name__}; pass a function such as `lambda t: t.clone()`"
             )
+        # What torch's __init__ does, without calling it: in save_on_cpu, which also derives from
+        # torch's save_on_cpu, the next __init__ in line is that one, which takes other arguments.
         self.pack_hook = pack_hook
         self.unpack_hook = unpack_hook
 

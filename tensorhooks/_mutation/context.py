@@ -18,7 +18,6 @@ from tensorhooks._core.torch_compat import pop_saved_tensors_hooks, push_saved_t
 
 from .context_state import MutationContext
 from .dispatch_mode import add_open_context, mode_for_this_thread, remove_open_context
-from .foreign_hooks import warn_if_unguarded
 from .saved_tensor import unpack
 
 __all__ = ["MutationContext", "allow_mutation_on_saved_tensors"]
@@ -140,7 +139,6 @@ def allow_mutation_on_saved_tensors() -> Generator[MutationContext, None, None]:
     is saved while they are innermost, as usual; if their pack returns the tensor itself or a
     view of it, unpack returns the save-time clone after a write.
     """
-    warn_if_unguarded()
     context = MutationContext()
     push_saved_tensors_hooks(context._pack, unpack)
     try:

@@ -155,7 +155,7 @@ def _torch_dispatch(
     return call(*args)
 
 
-_HANDLER_SKIPPED_BY_DYNAMO = skip_code_in_dynamo(_torch_dispatch.__code__)
+skip_code_in_dynamo(_torch_dispatch.__code__)
 
 
 class _CloneBeforeWriteMode(UnwrappedDispatchMode):
@@ -174,9 +174,8 @@ class _CloneBeforeWriteMode(UnwrappedDispatchMode):
     # `foreign_hooks.py`.
     untied: Untied | None = None
 
-    # torch's torch._disable_dynamo wrapper only when Dynamo could not be told to skip the
-    # handler directly.
-    handler_skipped_by_dynamo = _HANDLER_SKIPPED_BY_DYNAMO
+    # Dynamo skips the handler's code (above): torch's torch._disable_dynamo wrapper is not needed.
+    handler_skipped_by_dynamo = True
     __torch_dispatch__ = _torch_dispatch
 
     def __enter__(self) -> Any:

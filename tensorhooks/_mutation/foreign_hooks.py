@@ -28,7 +28,6 @@ from tensorhooks._core.torch_compat import (
     push_saved_tensors_hooks,
     storage_key,
     top_saved_tensors_hooks,
-    warn_once,
 )
 
 from .aliasing import byte_span, reaches
@@ -42,7 +41,6 @@ __all__ = [
     "foreign_saves",
     "take_over_innermost_hooks",
     "tie_foreign_saves",
-    "warn_if_unguarded",
 ]
 
 # NOTE [Saved-tensor hooks the context did not install]
@@ -73,29 +71,10 @@ __all__ = [
 # - tensors saved under a foreign pair before any operator reached the mode (a custom Function
 #   whose forward runs no operator, ``checkpoint``'s own inputs saved as the first thing) are
 #   not seen. See the Limits section of docs/allow_mutation_on_saved_tensors.md.
-# The innermost pair can only be read on torch 2.8 and newer; before that all of this is off, and
-# entering the context warns once.
 
 _CHECKPOINT_MODULE = "torch.utils.checkpoint"
 _CHECKPOINT_FORWARD_PACK = "_checkpoint_hook."
 _CHECKPOINT_RECOMPUTATION_PACK = "_recomputation_hook."
-
-_NO_INNERMOST_HOOKS_READER = (
-    "allow_mutation_on_saved_tensors: this torch ({version}) cannot read the innermost "
-    "saved-tensor hooks, so UnguardedHooksError protection is off: an in-place write made while "
-    "torch's own torch.autograd.graph.saved_tensors_hooks (or torch's save_on_cpu) is the "
-    "innermost pair inside the context is not caught. Upgrade to torch 2.8 or newer to turn it "
-    "on, or push hooks with tensorhooks.saved_tensors_hooks, which keep the protection."
-)
-
-
-def warn_if_unguarded() -> None:
-    """Warn once per process when this torch cannot check the innermost hooks on writes."""
-    if top_saved_tensors_hooks is None:
-        warn_once(
-            "allow_mutation_on_saved_tensors:top_saved_tensors_hooks",
-            _NO_INNERMOST_HOOKS_READER.format(version=torch.__version__),
-        )
 
 
 class ForeignSave:
@@ -217,8 +196,6 @@ def take_over_innermost_hooks(
     check (see `_call_and_tie` in `dispatch_mode.py`). See
     NOTE [Saved-tensor hooks the context did not install].
     """
-    if top_saved_tensors_hooks is None:
-        return []  # see warn_if_unguarded
     top = top_saved_tensors_hooks()
     if top is None or top[0] is mode.known_pack:
         return []

@@ -388,7 +388,7 @@ class Streamer:
             torch.clear_autocast_cache()  # its casts of the block's weights are device memory
 
     def _saved_pair(self, block: Block) -> saved_tensors_hooks:
-        outer = top_saved_tensors_hooks() if top_saved_tensors_hooks is not None else None
+        outer = top_saved_tensors_hooks()
         find = self._find
         unpack_saved = self._unpack
 

@@ -183,11 +183,11 @@ def delegating_hooks(
     Raises:
         PlanStateError: if no saved-tensor hooks are in force to hand the saves on to.
     """
-    top = top_saved_tensors_hooks() if top_saved_tensors_hooks is not None else None
+    top = top_saved_tensors_hooks()
     if top is None:
         raise PlanStateError(
             "plan_activations: no saved-tensor hooks in force inside a checkpointed block; the "
-            "measurement needs checkpoint's own pair to wrap (torch 2.8 or later)"
+            "measurement needs checkpoint's own pair to wrap"
         )
     inner_pack, inner_unpack = top
 

@@ -172,6 +172,55 @@ class TestSaveOnCpu:
         assert callable(hooks.pack_hook)
         assert callable(hooks.unpack_hook)
 
+    def test_is_an_instance_of_torchs_classes(self) -> None:
+        """An instance is also one of torch's save_on_cpu and saved_tensors_hooks classes."""
+        hooks = th.save_on_cpu(True, "cuda", prefetch=1)
+        assert isinstance(hooks, torch.autograd.graph.save_on_cpu)
+        assert isinstance(hooks, torch.autograd.graph.saved_tensors_hooks)
+        assert (hooks.pin_memory, hooks.device_type, hooks.prefetch) == (True, "cuda", 1)
+
+    def test_no_reference_cycle(self) -> None:
+        """An instance, entered and left, is freed by reference counting: nothing left for gc."""
+        x = torch.randn(4, requires_grad=True)
+        gc.collect()
+        gc.disable()
+        try:
+            hooks = th.save_on_cpu()
+            with hooks:
+                y = x.exp()
+            y.sum().backward()
+            freed = weakref.ref(hooks)
+            del hooks, y
+            assert freed() is None
+            assert gc.collect() == 0
+        finally:
+            gc.enable()
+
+    @pytest.mark.parametrize("name", ["min_offload_bytes", "prefetch", "max_in_flight"])
+    def test_a_bool_is_refused_after_the_equal_int_was_taken(self, name: str) -> None:
+        """Arguments checked before are remembered by type too: True is refused after 1 passed."""
+        assert getattr(th.save_on_cpu(**{name: 1}), name) == 1
+        for _ in range(2):
+            with pytest.raises(th.HookArgumentTypeError, match=rf"{name} must be an int, got True"):
+                th.save_on_cpu(**{name: True})
+
+    def test_unhashable_pin_memory_is_read_as_a_truth_value(self) -> None:
+        """An unhashable pin_memory is checked each time and read as torch reads it."""
+        assert th.save_on_cpu([1]).pin_memory is True  # type: ignore[arg-type]  # torch takes it
+        assert th.save_on_cpu([]).pin_memory is False  # type: ignore[arg-type]
+
+    def test_direct_pack_hook_call_uses_its_own_instances_entry(self, sim: SimulatedEngine) -> None:
+        """pack_hook called by hand inside nested entries packs with its own instance's options."""
+        outer = th.save_on_cpu(pin_memory=True, min_offload_bytes=0)
+        inner = th.save_on_cpu(pin_memory=True, min_offload_bytes=1 << 30)
+        t = torch.randn(3, 4)
+        with outer, inner:
+            kept = inner.pack_hook(t)
+            copied = outer.pack_hook(t)
+        assert isinstance(kept, torch.Tensor)
+        assert not isinstance(copied, torch.Tensor)
+        assert torch.equal(outer.unpack_hook(copied), t)
+
     @pytest.mark.parametrize(
         ("kwargs", "match"),
         [
@@ -183,7 +232,7 @@ class TestSaveOnCpu:
     )
     def test_wrong_argument_types_raise(self, kwargs: dict[str, Any], match: str) -> None:
         """An argument of the wrong type raises a TypeError naming it and the value seen."""
-        with pytest.raises(th.InvalidHookArgumentError, match=match):
+        with pytest.raises(th.HookArgumentTypeError, match=match):
             th.save_on_cpu(**kwargs)
         with pytest.raises(TypeError):
             th.save_on_cpu(**kwargs)
@@ -192,7 +241,7 @@ class TestSaveOnCpu:
     def test_pin_memory_refuses_a_string(self, value: str) -> None:
         """A string pin_memory is refused: torch reads "false" as True."""
         with pytest.raises(
-            th.InvalidHookArgumentError, match=r"pin_memory must be a bool, got '.*' of type str"
+            th.HookArgumentTypeError, match=r"pin_memory must be a bool, got '.*' of type str"
         ):
             th.save_on_cpu(value)  # type: ignore[arg-type]
 
@@ -206,7 +255,7 @@ class TestSaveOnCpu:
     def test_unknown_device_type_raises(self, device_type: str, match: str) -> None:
         """A device_type torch does not know is a ValueError (torch falls back to CUDA's)."""
         torch.autograd.graph.save_on_cpu(device_type=device_type)
-        with pytest.raises(th.InvalidOffloadOptionError, match=match) as caught:
+        with pytest.raises(th.OffloadArgumentValueError, match=match) as caught:
             th.save_on_cpu(device_type=device_type)
         assert isinstance(caught.value, ValueError)
 
@@ -231,7 +280,7 @@ class TestSaveOnCpu:
     @pytest.mark.parametrize("name", ["min_offload_bytes", "prefetch", "max_in_flight"])
     def test_negative_numbers_raise(self, name: str) -> None:
         """A negative option raises a ValueError that says what 0 would do."""
-        with pytest.raises(th.InvalidOffloadOptionError, match=rf"{name} must be >= 0, got -1"):
+        with pytest.raises(th.OffloadArgumentValueError, match=rf"{name} must be >= 0, got -1"):
             th.save_on_cpu(**{name: -1})
         with pytest.raises(ValueError, match="pass 0 to"):
             th.save_on_cpu(**{name: -1})

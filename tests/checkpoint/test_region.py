@@ -633,7 +633,7 @@ def test_error_during_recomputation_leaves_nothing() -> None:
     with pytest.raises(ValueError, match="second run fails"):
         out.sum().backward()
     assert tensorhooks.live_graph_tasks() == 0
-    assert top_saved_tensors_hooks is None or top_saved_tensors_hooks() is None
+    assert top_saved_tensors_hooks() is None
 
 
 def test_custom_function_as_last_op_does_not_leak() -> None:
@@ -678,7 +678,7 @@ def test_forward_raising_inside_the_region_unwinds_its_contexts() -> None:
 
     with pytest.raises(KeyError, match="inside"):
         checkpoint(block, input_tensor(), context_fn=context_fn)
-    assert top_saved_tensors_hooks is None or top_saved_tensors_hooks() is None
+    assert top_saved_tensors_hooks() is None
     from tensorhooks._core.torch_compat import current_dispatch_mode
 
     assert current_dispatch_mode() is None

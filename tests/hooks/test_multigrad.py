@@ -376,14 +376,14 @@ class TestHandleAndArguments:
         expected = r"Expects mode to be one of \('all', 'any'\) but got every"
         with pytest.raises(ValueError, match=expected):
             torch_graph.register_multi_grad_hook([a], print, mode="every")  # type: ignore[arg-type]
-        with pytest.raises(tensorhooks.InvalidHookModeError, match=expected):
+        with pytest.raises(tensorhooks.HookArgumentValueError, match=expected):
             tensorhooks.register_multi_grad_hook([a], print, mode="every")  # type: ignore[arg-type]
 
     @pytest.mark.parametrize("tensors", [None, 3, object()])
     def test_tensors_not_iterable(self, tensors: Any) -> None:
         """A non-iterable ``tensors`` is a TypeError naming the argument, not only Python's text."""
         with pytest.raises(
-            tensorhooks.InvalidHookArgumentError,
+            tensorhooks.HookArgumentTypeError,
             match=r"tensors must be a sequence of tensors, got .* object is not iterable",
         ):
             tensorhooks.register_multi_grad_hook(tensors, print)

@@ -132,6 +132,13 @@ class TestSavedTensorsHooks:
         assert ours.unpacked == theirs.unpacked
         assert_same_grads(theirs_grads, ours_grads)
 
+    def test_is_an_instance_of_torchs_class(self) -> None:
+        """isinstance(ctx, torch.autograd.graph.saved_tensors_hooks) is True, with torch's hooks."""
+        pack, unpack = PACKS["detach"], UNPACKS["detach"]
+        hooks = tensorhooks.saved_tensors_hooks(pack, unpack)
+        assert isinstance(hooks, torch_graph.saved_tensors_hooks)
+        assert (hooks.pack_hook, hooks.unpack_hook) == (pack, unpack)
+
     def test_innermost_pair_wins(self) -> None:
         """Only the innermost of nested pairs sees the saved tensors, as in torch."""
         outer, inner = Recorder(), Recorder()

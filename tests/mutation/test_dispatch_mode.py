@@ -10,7 +10,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tensorhooks
-from tensorhooks._core.torch_compat import TORCH_VERSION
 from tensorhooks._mutation import dispatch_mode
 from tensorhooks._mutation.context_state import MutationContext
 from tests.mutation.programs import leaf_4x6
@@ -87,12 +86,8 @@ def test_write_during_backward(device: str) -> None:
 
 
 def test_handler_is_not_wrapped_by_dynamo_disable() -> None:
-    """From torch 2.7 Dynamo skips the handler's code, so the mode calls the plain function."""
+    """Dynamo skips the handler's code, so the mode calls the plain function, unwrapped."""
     handler = dispatch_mode._CloneBeforeWriteMode.__dict__["__torch_dispatch__"]
-    if TORCH_VERSION < (2, 7):  # no per-code skip (skip_code_in_dynamo): torch's wrapper stays
-        assert handler is not dispatch_mode._torch_dispatch
-        return
-    assert dispatch_mode._HANDLER_SKIPPED_BY_DYNAMO, "Dynamo could not be told to skip the handler"
     assert handler is dispatch_mode._torch_dispatch
 
 

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import gc
-import re
 import threading
 import types
-import warnings
 from collections.abc import Callable
 
 import pytest
@@ -16,16 +14,9 @@ import torch.utils.checkpoint
 
 import tensorhooks
 from tensorhooks._core import guards as _guards
-from tensorhooks._core import torch_compat as _torch_compat
-from tensorhooks._core.torch_compat import top_saved_tensors_hooks
-from tensorhooks._mutation import foreign_hooks
 from tests.mutation.programs import grad_under, leaf_4x6
 
 pytestmark = pytest.mark.usefixtures("no_open_contexts")
-
-needs_innermost_hooks_reader = pytest.mark.skipif(
-    top_saved_tensors_hooks is None, reason="needs torch 2.8 (the innermost hooks reader)"
-)
 
 
 def test_torch_hooks_inside_make_writes_raise() -> None:
@@ -92,22 +83,6 @@ def test_registry_keeps_no_hook_alive() -> None:
     assert len(_guards._protected_pack_hooks) == before
 
 
-def test_without_the_innermost_hooks_reader_it_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before torch 2.8 the UnguardedHooksError check is off, and entering says so once."""
-    monkeypatch.setattr(foreign_hooks, "top_saved_tensors_hooks", None)
-    monkeypatch.setattr(_torch_compat, "_warned", set())
-    a = leaf_4x6().requires_grad_()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(2):
-            with tensorhooks.allow_mutation_on_saved_tensors():
-                b = a * 1
-                with torch_graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-                    b.mul_(2.0)  # not caught on such a torch
-    assert [warning.category for warning in caught] == [RuntimeWarning]
-    assert re.search(r"UnguardedHooksError protection is off.*torch 2\.8", str(caught[0].message))
-
-
 def test_checkpoint_inside_is_allowed() -> None:
     """torch.utils.checkpoint (non-reentrant) stores no tensor data: writes are fine."""
 
@@ -134,7 +109,6 @@ def _identity(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-@needs_innermost_hooks_reader
 def test_fresh_write_under_torch_save_on_cpu_is_allowed() -> None:
     """A write into a tensor nothing saved (T5's ``scores += bias``) runs; grads are right."""
     q = torch.randn(3, 4, requires_grad=True)
@@ -151,7 +125,6 @@ def test_fresh_write_under_torch_save_on_cpu_is_allowed() -> None:
     torch.testing.assert_close(got, expected)
 
 
-@needs_innermost_hooks_reader
 def test_fresh_writes_of_routing_code_under_foreign_hooks() -> None:
     """Division and index_put_ into fresh tensors (MoE routing) run under foreign hooks."""
     logits = torch.randn(5, 4, requires_grad=True)
@@ -173,7 +146,6 @@ def test_fresh_writes_of_routing_code_under_foreign_hooks() -> None:
     torch.testing.assert_close(got, expected)
 
 
-@needs_innermost_hooks_reader
 def test_write_to_a_tensor_saved_under_foreign_hooks_is_cloned() -> None:
     """A tensor saved under foreign hooks after the context took them over keeps its value."""
     a = torch.randn(4, requires_grad=True)
@@ -187,7 +159,6 @@ def test_write_to_a_tensor_saved_under_foreign_hooks_is_cloned() -> None:
     torch.testing.assert_close(a.grad, 2 * a.sin() * a.cos())
 
 
-@needs_innermost_hooks_reader
 def test_write_to_a_tensor_the_foreign_pair_saved_before_takeover_raises() -> None:
     """What the foreign pair saved before the context saw it cannot be protected: raise."""
     a = torch.randn(4, requires_grad=True)
@@ -204,7 +175,6 @@ def test_write_to_a_tensor_the_foreign_pair_saved_before_takeover_raises() -> No
     torch.testing.assert_close(a.grad, 2 * a)
 
 
-@needs_innermost_hooks_reader
 def test_write_after_foreign_pair_pushed_and_popped() -> None:
     """Saved under torch's hooks, the hooks popped, then written: never a wrong gradient."""
     a = torch.randn(4, requires_grad=True)
@@ -224,7 +194,6 @@ def test_write_after_foreign_pair_pushed_and_popped() -> None:
     torch.testing.assert_close(got, expected)
 
 
-@needs_innermost_hooks_reader
 def test_write_after_pop_into_window_tensor_raises() -> None:
     """A write after the pop into what the pair saved before the takeover raises."""
     a = torch.randn(4, requires_grad=True)
@@ -255,7 +224,6 @@ def _recomputed_residual_block(w: torch.Tensor) -> Callable[[torch.Tensor], torc
     return block
 
 
-@needs_innermost_hooks_reader
 @pytest.mark.parametrize(
     "make_block",
     [_residual_block, _recomputed_residual_block],
@@ -290,7 +258,6 @@ def test_in_place_residual_inside_checkpoint(
         torch.testing.assert_close(got, expected)
 
 
-@needs_innermost_hooks_reader
 def test_checkpoint_parameters_can_be_written_after_backward() -> None:
     """Tensors recomputation saved are released with its backward: a later step writes them."""
     start = torch.randn(4)
@@ -317,7 +284,6 @@ def test_checkpoint_parameters_can_be_written_after_backward() -> None:
     assert not torch.equal(got, start)
 
 
-@needs_innermost_hooks_reader
 @pytest.mark.parametrize("consumed", [True, False], ids=["output_consumed", "output_backwarded"])
 def test_write_from_a_thread_without_context_to_a_foreign_save_raises(consumed: bool) -> None:
     """A foreign save changed where the mode cannot see it raises in backward: no wrong grad."""
@@ -339,7 +305,6 @@ def test_write_from_a_thread_without_context_to_a_foreign_save_raises(consumed: 
     assert x.grad is None
 
 
-@needs_innermost_hooks_reader
 def test_foreign_save_unchanged_from_other_thread_gives_plain_gradient() -> None:
     """With no write, tying foreign saves to their node leaves the gradient as plain autograd's."""
     x = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
