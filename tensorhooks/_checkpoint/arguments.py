@@ -158,10 +158,12 @@ class _Storage(NamedTuple):
 
 def _storages(tensors: list[torch.Tensor]) -> list[_Storage]:
     """The strided inputs grouped by the storage (and dtype) they share, with their layouts."""
-    groups: dict[tuple[int, torch.dtype], _Storage] = {}
-    for index, tensor in enumerate(tensors):
-        key = storage_key(tensor) if tensor.layout == torch.strided else None
-        if key is None:
+    groups: dict[tuple[int | None, torch.dtype], _Storage] = {}
+    strided = [(index, t) for index, t in enumerate(tensors) if t.layout == torch.strided]
+    for index, tensor in strided:
+        # One input shares with nothing: its storage's address need not be read (a call each).
+        key = storage_key(tensor) if len(strided) > 1 else None
+        if key is None and len(strided) > 1:
             continue
         layout = _Layout(int(tensor.storage_offset()), tuple(tensor.shape), tensor.stride())
         group = groups.get((key, tensor.dtype))
@@ -174,8 +176,9 @@ def _storages(tensors: list[torch.Tensor]) -> list[_Storage]:
 
 def _laid_out(tensors: list[torch.Tensor], group: _Storage) -> bool:
     """Whether the unpacked ``group`` still shares one storage with the layouts of the call."""
-    keys = {storage_key(tensors[index]) for index, _ in group.members}
-    return len(keys) == 1 and all(
+    if len(group.members) > 1 and len({storage_key(tensors[i]) for i, _ in group.members}) > 1:
+        return False
+    return all(
         int(tensors[index].storage_offset()) == layout.offset
         and tensors[index].stride() == layout.stride
         for index, layout in group.members

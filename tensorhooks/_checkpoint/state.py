@@ -88,7 +88,7 @@ class _Watched:
         "written",
     )
 
-    def __init__(self, name: str, tensor: torch.Tensor, hidden: bool) -> None:
+    def __init__(self, name: str | _InModule, tensor: torch.Tensor, hidden: bool) -> None:
         self.name = name
         self.ref = weakref.ref(tensor)
         self.version = tensor._version
@@ -105,7 +105,25 @@ def _is_state(tensor: torch.Tensor) -> bool:
 
 
 # (name, tensor, whether torch's kernels may write it without moving its version)
-_Found = tuple[str, torch.Tensor, bool]
+class _InModule:
+    """The name of a module's parameter or buffer, spelled out only when an error needs it."""
+
+    __slots__ = ("attribute", "owner", "prefix", "root")
+
+    def __init__(self, prefix: str, root: torch.nn.Module, owner: torch.nn.Module, attribute: str):
+        self.prefix = prefix
+        self.root = root
+        self.owner = owner
+        self.attribute = attribute
+
+    def __str__(self) -> str:
+        path = next(
+            (name for name, module in self.root.named_modules() if module is self.owner), "?"
+        )
+        return f"{self.prefix}{path}.{self.attribute}" if path else f"{self.prefix}{self.attribute}"
+
+
+_Found = tuple["str | _InModule", torch.Tensor, bool]
 
 # Buffers that torch's batch-norm kernels write without moving their version: in training mode
 # ``native_batch_norm`` (and its cuDNN and MIOpen variants) update the running statistics
@@ -113,14 +131,33 @@ _Found = tuple[str, torch.Tensor, bool]
 _RUNNING_STATS = frozenset({"running_mean", "running_var"})
 
 
+def _submodules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """``module`` and every module under it, each once."""
+    found = [module]
+    seen = {id(module)}
+    for owner in found:  # grows while it is walked: breadth first
+        for child in owner._modules.values():
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                found.append(child)
+    return found
+
+
 def _module_tensors(prefix: str, module: torch.nn.Module) -> Iterator[_Found]:
-    for path, owner in module.named_modules(remove_duplicate=False):
-        at = f"{prefix}{path}." if path else prefix
+    # The modules' own dicts, not modules() or named_parameters(): this runs on every call of
+    # checkpoint, and their generators cost several times as much.
+    for owner in _submodules(module):
         hidden = isinstance(owner, _NormBase) and owner.training
-        for name, parameter in owner.named_parameters(recurse=False):
-            yield f"{at}{name}", parameter, False
-        for name, buffer in owner.named_buffers(recurse=False):
-            yield f"{at}{name}", buffer, hidden and name in _RUNNING_STATS
+        for name, parameter in owner._parameters.items():
+            if parameter is not None:
+                yield _InModule(prefix, module, owner, name), parameter, False
+        for name, buffer in owner._buffers.items():
+            if buffer is not None:
+                yield (
+                    _InModule(prefix, module, owner, name),
+                    buffer,
+                    hidden and name in _RUNNING_STATS,
+                )
 
 
 def _reached(name: str, value: object, depth: int) -> Iterator[_Found]:
@@ -173,7 +210,7 @@ def reachable_state(function: Callable[..., Any]) -> list[_Found]:
 class OutsideState:
     """The tensors one region call reaches outside its arguments. See NOTE [Tensors a region...]."""
 
-    __slots__ = ("_input_storages", "_pair", "_skip", "_start", "watched")
+    __slots__ = ("_inputs", "_pair", "_skip", "_start", "watched")
 
     def __init__(self, function: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> None:
         guard = current_save_guard()
@@ -181,7 +218,7 @@ class OutsideState:
             guard.wrap(_identity, _identity) if guard.lets_saved_tensors_change else None
         )
         self._skip = {id(t) for t in inputs} | {id(t._base) for t in inputs if t._base is not None}
-        self._input_storages = {storage_key(t) for t in inputs}
+        self._inputs = [weakref.ref(t) for t in inputs]  # their storages are asked at seal only
         self._start = next_sequence_nr()  # nodes made from here on are the region's
         self.watched: list[_Watched] = []
         # Inputs reached from the function too (a closure reading a tensor also passed as an
@@ -189,9 +226,10 @@ class OutsideState:
         for name, tensor, hidden in reachable_state(function):
             self._watch(name, tensor, hidden=hidden, at_start=True)
 
-    def _watch(self, name: str, tensor: torch.Tensor, *, hidden: bool, at_start: bool) -> None:
+    def _watch(
+        self, name: str | _InModule, tensor: torch.Tensor, *, hidden: bool, at_start: bool
+    ) -> None:
         watched = _Watched(name, tensor, hidden)
-        watched.aliases_input = storage_key(tensor) in self._input_storages
         self._skip.add(id(tensor))
         if self._pair is not None and not hidden:
             with below_python_modes():
@@ -215,23 +253,27 @@ class OutsideState:
                 continue
             if tensor._version != watched.version or watched.hidden:
                 watched.written = True
+                watched.aliases_input = storage_key(tensor) in self._input_storages()
                 watched.version = tensor._version
             elif watched.start is not None:
                 watched.start = None  # not written: the tensor itself holds the value
-        watched_storages = {storage_key(tensor) for tensor in self._alive()}
+        watched_storages: set[int | None] | None = None  # read only if a saved tensor needs it
         for tensor, version in saved:
             base = tensor if tensor._base is None else tensor._base
-            if (
-                id(base) in self._skip
-                or storage_key(base) in watched_storages
-                or self._made_here(base)
-            ):
-                continue  # an input or an output, made by the region, or watched already
+            if id(base) in self._skip or self._made_here(base):
+                continue  # an input or an output, or made by the region
+            if watched_storages is None:
+                watched_storages = {storage_key(alive) for alive in self._alive()}
+            if storage_key(base) in watched_storages:
+                continue  # watched since the call started, through another tensor
             name = f"a tensor of shape {list(base.shape)}"
             self._watch(name, base, hidden=False, at_start=False)
             if tensor._version != version:  # the region changed it after saving it
                 self.watched[-1].written = True
                 self.watched[-1].handle = None  # tracked too late to hold the saved value
+
+    def _input_storages(self) -> set[int | None]:
+        return {storage_key(tensor) for ref in self._inputs if (tensor := ref()) is not None}
 
     def _made_here(self, tensor: torch.Tensor) -> bool:
         node = tensor.grad_fn
