@@ -26,7 +26,7 @@ from tensorhooks._core.torch_compat import (
     OpOverload,
     TorchDispatchMode,
     include_inplace_or_view_key,
-    op_schema,
+    returns_alias,
     torch_selective_checkpoint_modes,
 )
 
@@ -227,11 +227,6 @@ class _Entry:
         return _map(_Slot, restore, self.structure)
 
 
-def _replayed(func: OpOverload) -> bool:
-    """Whether ``func`` returns an alias of an input: a view, or an in-place or ``out=`` op."""
-    return any(result.alias_info is not None for result in op_schema(func).returns)
-
-
 class _Plan:
     """The policy, its options, and the outputs filed during one region's forward pass."""
 
@@ -268,7 +263,7 @@ class _Plan:
             policy = CheckpointPolicy.MUST_SAVE if policy else CheckpointPolicy.PREFER_RECOMPUTE
         entries = self.storage.setdefault(func, [])
         name = policy.name if isinstance(policy, enum.Enum) else None
-        if name in _RECOMPUTE or ((name in _SAVE or name in _OFFLOAD) and _replayed(func)):
+        if name in _RECOMPUTE or ((name in _SAVE or name in _OFFLOAD) and returns_alias(func)[0]):
             entries.append(None)
         elif name in _OFFLOAD:
             entries.append(

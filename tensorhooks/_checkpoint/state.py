@@ -21,6 +21,7 @@ from tensorhooks._core.torch_compat import (
     TorchDispatchMode,
     below_python_modes,
     next_sequence_nr,
+    returns_alias,
     sequence_nr,
     set_version_counters,
     storage_key,
@@ -360,14 +361,6 @@ def _copy(storage: torch.UntypedStorage) -> torch.UntypedStorage:
     return copy
 
 
-def _aliases_an_input(func: Any) -> tuple[bool, bool]:
-    """Whether ``func`` returns an alias of an input, and whether it writes one."""
-    returns = func._schema.returns
-    aliased = any(result.alias_info is not None for result in returns)
-    writes = any(result.alias_info is not None and result.alias_info.is_write for result in returns)
-    return aliased, writes
-
-
 class Substitution:
     """Replacement storages holding what the forward pass read, for the storages watched."""
 
@@ -434,7 +427,7 @@ class _Substitute(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untype
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = {} if kwargs is None else kwargs
-        aliased, writes = _aliases_an_input(func)
+        aliased, writes = returns_alias(func)
         if aliased and not writes:  # a view: keep autograd's view of the real tensor
             return func(*args, **kwargs)
         originals: dict[int, torch.Tensor] = {}

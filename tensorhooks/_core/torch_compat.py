@@ -59,6 +59,7 @@ __all__ = [
     "post_accumulate_grad_hooks",
     "push_saved_tensors_hooks",
     "queue_callback",
+    "returns_alias",
     "sequence_nr",
     "set_dispatch_key_excluded",
     "set_version_counters",
@@ -290,6 +291,18 @@ def op_schema(func: OpOverload) -> Any:
     ``OpOverload._schema``. Known on torch 2.4; no fallback (every supported release has it).
     """
     return func._schema
+
+
+def returns_alias(func: OpOverload) -> tuple[bool, bool]:
+    """Whether ``func`` returns an alias of an input, and whether it writes that input.
+
+    Read from the returns' alias info in its schema: a view (``t``, slicing) returns an alias
+    it does not write; an in-place or ``out=`` op returns the input it wrote.
+    """
+    returns = op_schema(func).returns
+    aliased = any(result.alias_info is not None for result in returns)
+    writes = any(result.alias_info is not None and result.alias_info.is_write for result in returns)
+    return aliased, writes
 
 
 def op_call(func: OpOverload) -> Callable[..., Any]:
