@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from harness import FusedAttentionBlock, interleaved
+from offload_gpu import SavedBytes  # what torch's save_on_cpu moves, counted
 from torch import nn
 
 import tensorhooks
@@ -70,28 +71,6 @@ class Size:
 GPU_SIZE = Size(layers=12, d=1024, heads=16, seq=4096, batch=4, rounds=5, inner=2)
 DRY_SIZE = Size(layers=2, d=64, heads=4, seq=32, batch=2, rounds=2, inner=1)
 PINNED_COPY_BYTES = 256 << 20
-
-
-class SavedBytes:
-    """Bytes of every tensor saved for backward, counted at pack and at unpack (identity hooks).
-
-    What torch's ``save_on_cpu`` copies: every saved tensor to the host at pack, back at unpack.
-    """
-
-    def __init__(self) -> None:
-        self.packed = 0
-        self.unpacked = 0
-
-    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            self.packed += tensor.numel() * tensor.element_size()
-            return tensor
-
-        def unpack(tensor: torch.Tensor) -> torch.Tensor:
-            self.unpacked += tensor.numel() * tensor.element_size()
-            return tensor
-
-        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 def build(size: Size, device: str) -> tuple[nn.Module, torch.Tensor]:
