@@ -176,6 +176,8 @@ def _storages(tensors: list[torch.Tensor]) -> list[_Storage]:
 
 def _laid_out(tensors: list[torch.Tensor], group: _Storage) -> bool:
     """Whether the unpacked ``group`` still shares one storage with the layouts of the call."""
+    if len(group.members) == 1 and tensors[group.members[0][0]] is group.owner():
+        return True  # the input itself, unpacked as it was passed
     if len(group.members) > 1 and len({storage_key(tensors[i]) for i, _ in group.members}) > 1:
         return False
     return all(
