@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import CheckpointError, SelectiveCheckpointContext
+from torch.utils.checkpoint import CheckpointError
 
 from tensorhooks._activation_offload import save_on_cpu
 from tensorhooks._core.errors import (
@@ -27,6 +27,7 @@ from tensorhooks._core.torch_compat import (
     TorchDispatchMode,
     include_inplace_or_view_key,
     returns_alias,
+    selective_policy_context,
     torch_selective_checkpoint_modes,
 )
 
@@ -83,10 +84,6 @@ _RECOMPUTE = frozenset({"MUST_RECOMPUTE", "PREFER_RECOMPUTE"})
 _IGNORED: frozenset[Any] = frozenset(
     getattr(torch.utils.checkpoint, "SAC_IGNORED_OPS", {torch.ops.aten.detach.default})
 )
-
-
-def _make_policy_context(output: object) -> SelectiveCheckpointContext:
-    return SelectiveCheckpointContext(is_recompute=False, op_output=output)
 
 
 def _identity(value: Any) -> Any:
@@ -353,7 +350,7 @@ class SelectiveForward(TorchDispatchMode):  # type: ignore[no-untyped-call]  # u
         if func in _IGNORED:
             return output
         plan = self.plan
-        policy = plan.policy_fn(_make_policy_context(output), func, *args, **kwargs)
+        policy = plan.policy_fn(selective_policy_context(output), func, *args, **kwargs)
         plan.file(func, policy, output)
         return output
 

@@ -60,6 +60,7 @@ __all__ = [
     "push_saved_tensors_hooks",
     "queue_callback",
     "returns_alias",
+    "selective_policy_context",
     "sequence_nr",
     "set_dispatch_key_excluded",
     "set_version_counters",
@@ -74,6 +75,12 @@ __all__ = [
     "will_engine_execute_node",
     "will_engine_execute_nodes",
 ]
+
+
+def _takes(function: Callable[..., Any], keyword: str) -> bool:
+    import inspect  # noqa: PLC0415 (a signature read once at import)
+
+    return keyword in inspect.signature(function).parameters
 
 
 def _release(version: str) -> tuple[int, int]:
@@ -399,17 +406,32 @@ def torch_checkpoint_early_stop_override() -> bool | None:
     return value
 
 
+def selective_policy_context(output: object) -> Any:
+    """The ``SelectiveCheckpointContext`` a policy is called with, for an op's ``output``.
+
+    The ``op_output`` argument is known on torch 2.13; 2.11 takes ``is_recompute`` alone, and
+    the output is then set on the context as an attribute, so a policy reads
+    ``ctx.op_output`` on every supported release. (A TypeError raised inside a tensor
+    operator's dispatch would surface as ``NotImplemented`` from the operator.)
+    """
+    from torch.utils.checkpoint import SelectiveCheckpointContext  # noqa: PLC0415
+
+    if _POLICY_CONTEXT_TAKES_OUTPUT:
+        return SelectiveCheckpointContext(is_recompute=False, op_output=output)
+    context = SelectiveCheckpointContext(is_recompute=False)
+    context.op_output = output
+    return context
+
+
 def torch_checkpoint_takes(keyword: str) -> bool:
     """Whether torch's ``checkpoint`` accepts ``keyword``.
 
     ``respect_saved_tensors_hooks`` is new in torch 2.14; tensorhooks' own checkpoint accepts it
     on every release, and passes it on to torch's (under ``torch.compile``) where torch has it.
     """
-    import inspect  # noqa: PLC0415 (only asked under torch.compile)
-
     import torch.utils.checkpoint as torch_checkpoint  # noqa: PLC0415
 
-    return keyword in inspect.signature(torch_checkpoint.checkpoint).parameters
+    return _takes(torch_checkpoint.checkpoint, keyword)
 
 
 def torch_checkpoint_debug_override() -> bool | None:
@@ -461,3 +483,8 @@ def post_accumulate_grad_hooks(tensor: torch.Tensor) -> OrderedDict[int, Any] | 
     """
     hooks = tensor._post_accumulate_grad_hooks
     return hooks if isinstance(hooks, OrderedDict) else None
+
+
+_POLICY_CONTEXT_TAKES_OUTPUT = _takes(
+    torch.utils.checkpoint.SelectiveCheckpointContext, "op_output"
+)

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import TextIO
 
 import torch
-from torch.utils.benchmark import Timer
 
 from tensorhooks.cli._verdict import Spread, TargetVerdict, target_verdict, verdict
 
@@ -170,6 +169,10 @@ def interleaved(
     Returns:
         Seconds per call of each variant, one sample per round.
     """
+    # Imported here: torch.utils.benchmark imports torch.utils.cpp_extension, which warns on a
+    # CUDA build without a CUDA runtime, and a usage error of the command line must stay one line.
+    from torch.utils.benchmark import Timer  # noqa: PLC0415
+
     names = list(variants)
     for _ in range(warmup):
         for fn in variants.values():

@@ -416,3 +416,21 @@ def test_respect_saved_tensors_hooks_takes_a_bool() -> None:
     """Anything but None or a bool is refused, naming the value."""
     with pytest.raises(tensorhooks.CheckpointArgumentTypeError, match="got 'yes' of type str"):
         checkpoint(torch.sin, input_tensor(), respect_saved_tensors_hooks="yes")  # type: ignore[arg-type]
+
+
+def test_policy_sees_the_output_on_every_release() -> None:
+    """ctx.op_output is the op's output, also where torch's context lacks the argument."""
+    outputs: list[torch.Tensor] = []
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op == aten.mm.default:
+            outputs.append(ctx.op_output)
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    w1, w2 = weights()
+    x = input_tensor()
+    context_fn = functools.partial(tensorhooks.create_selective_checkpoint_contexts, policy)
+    out = checkpoint(block_of(w1, w2), x, context_fn=context_fn)
+    assert len(outputs) == 2
+    assert outputs[0].shape == (4, 6)
+    del out
