@@ -19,6 +19,7 @@ from .hooks import (
 )
 from .mutation import ALLOW_MUTATION
 from .parameter_offload import OFFLOAD_PARAMETERS
+from .planner import PLAN_ACTIVATIONS
 
 __all__ = ["CASES"]
 
@@ -35,4 +36,5 @@ CASES: tuple[Case, ...] = (
     CHECKPOINT_GRAD,
     CHECKPOINT_OFFLOAD_POLICY,
     OFFLOAD_PARAMETERS,
+    PLAN_ACTIVATIONS,
 )
