@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 from harness import FusedAttentionBlock, interleaved
-from offload_gpu import SavedBytes  # what torch's save_on_cpu moves, counted
+from offload_gpu import SavedBytes, memcpy_seconds
 from torch import nn
 
 import tensorhooks
@@ -140,19 +140,7 @@ def copy_seconds(step: Callable[[], object], device: str) -> tuple[float | None,
     if device != "cuda":
         step()
         return None, None
-    activities = [torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as profile:
-        step()
-        torch.cuda.synchronize()
-    d2h = h2d = 0.0
-    for event in profile.events():
-        if event.device_type != torch.profiler.DeviceType.CUDA:
-            continue
-        if "Memcpy DtoH" in event.name:
-            d2h += event.time_range.elapsed_us() / 1e6
-        elif "Memcpy HtoD" in event.name:
-            h2d += event.time_range.elapsed_us() / 1e6
-    return d2h, h2d
+    return memcpy_seconds(step)
 
 
 def bytes_moved(

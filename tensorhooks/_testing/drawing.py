@@ -21,6 +21,7 @@ __all__ = [
     "Scope",
     "alias",
     "binary",
+    "compute",
     "pick",
     "unary",
     "write",
@@ -194,3 +195,18 @@ def write(draw: st.DrawFn, target: str, *, recorded: bool) -> str:
     """Draw an in-place write to ``target`` (one autograd records, if ``recorded``)."""
     kind = draw(st.sampled_from(RECORDED_WRITES if recorded else sorted(WRITES)))
     return WRITES[kind].format(x=target, c=draw(st.sampled_from(CONSTANTS)))
+
+
+def compute(draw: st.DrawFn, scope: Scope) -> tuple[str, torch.Tensor, bool]:
+    """Draw an op of aliases of ``scope``'s values: expression, result's dummy, requires grad."""
+    index = pick(draw, scope)
+    x, dummy = alias(draw, scope.names[index], scope.dummies[index])
+    requires_grad = scope.requires_grad[index]
+    if draw(st.booleans()):
+        expr, result = unary(draw, x, dummy)
+    else:
+        other = pick(draw, scope)
+        y, other_dummy = alias(draw, scope.names[other], scope.dummies[other])
+        expr, result = binary(draw, x, dummy, y, other_dummy)
+        requires_grad = requires_grad or scope.requires_grad[other]
+    return expr, result, requires_grad

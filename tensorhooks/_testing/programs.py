@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
-from .drawing import SHAPE, Scope, alias, binary, pick, unary, write
+from .drawing import SHAPE, Scope, alias, compute, pick, write
 from .errors import CheckArgumentValueError
 from .regions import REGION_KINDS, draw_region, policy_source
 
@@ -153,18 +153,7 @@ class _Builder:
 
 
 def _compute(builder: _Builder) -> None:
-    draw, scope = builder.draw, builder.scope
-    index = pick(draw, scope)
-    x, dummy = alias(draw, scope.names[index], scope.dummies[index])
-    requires_grad = scope.requires_grad[index]
-    if draw(st.booleans()):
-        expr, result = unary(draw, x, dummy)
-    else:
-        other = pick(draw, scope)
-        y, other_dummy = alias(draw, scope.names[other], scope.dummies[other])
-        expr, result = binary(draw, x, dummy, y, other_dummy)
-        requires_grad = requires_grad or scope.requires_grad[other]
-    builder.add_value(expr, result, requires_grad)
+    builder.add_value(*compute(builder.draw, builder.scope))
 
 
 def _write(builder: _Builder) -> None:

@@ -10,7 +10,7 @@ from typing import Protocol
 import torch
 from hypothesis import strategies as st
 
-from .drawing import Scope, alias, binary, pick, unary, write
+from .drawing import Scope, alias, binary, compute, pick, write
 
 __all__ = ["POLICY_CHOICES", "REGION_KINDS", "Region", "draw_region", "policy_source"]
 
@@ -130,18 +130,7 @@ class _Body:
 
     def compute(self) -> None:
         """An op of the region's own values."""
-        draw, local = self.draw, self.local
-        index = pick(draw, local)
-        x, dummy = alias(draw, local.names[index], local.dummies[index])
-        requires_grad = local.requires_grad[index]
-        if draw(st.booleans()):
-            expr, result = unary(draw, x, dummy)
-        else:
-            other = pick(draw, local)
-            y, other_dummy = alias(draw, local.names[other], local.dummies[other])
-            expr, result = binary(draw, x, dummy, y, other_dummy)
-            requires_grad = requires_grad or local.requires_grad[other]
-        self._add(expr, result, requires_grad)
+        self._add(*compute(self.draw, self.local))
 
     def outside(self) -> None:
         """An op of a region value and a view, made here, of a value outside the arguments."""
