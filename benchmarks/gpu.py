@@ -3,7 +3,7 @@
 Run from the repository root, with no install step (the parts' processes get the checkout on
 their ``PYTHONPATH``):
 
-    python benchmarks/gpu.py --out DIR [--only PART,...] [--skip PART,...] [--budget 400]
+    python benchmarks/gpu.py --out DIR [--only PART,...] [--skip PART,...] [--budget 440]
 
 Parts, in order (``--list`` prints them with their limits): the environment probe (GPU,
 driver, torch, CUDA), ``pytest -m cuda``, the offload tests under ``TORCH_CUDA_SANITIZER=1``,

@@ -5,10 +5,11 @@ stream rules with their negative controls, conjugate and negative views, capture
 prefetch, pinned pools), torch's own ``save_on_cpu`` conformance cases, mutation during
 backward, and parameter streaming. ``run_sanitizer`` runs the offload tests again with
 ``TORCH_CUDA_SANITIZER=1`` (torch's CSAN, which raises on an unsynchronised access between
-streams), less the two negative controls; then the negative controls alone under the sanitizer,
+streams), less the negative controls; then the negative controls alone under the sanitizer,
 where it is expected to catch their deliberate races (a check that the sanitizer run can see a
-race at all). pytest runs verbosely into a log that is parsed here, also when it is stopped at
-the deadline, so the report names every outcome seen and the test that was running.
+race at all), except those it cannot model (`CSAN_BLIND`). pytest runs verbosely into a log
+that is parsed here, also when it is stopped at the deadline, so the report names every outcome
+seen and the test that was running.
 """
 
 from __future__ import annotations
@@ -29,6 +30,13 @@ PYTEST = ("-m", "pytest", "-m", "cuda", "-v", "-p", "no:cacheprovider", "--tb=sh
 OFFLOAD_TESTS = ("tests/activation_offload", "tests/parameter_offload")
 NEGATIVE_CONTROLS = "_is_caught"  # the stream rules' negative controls end so
 RANDOM_PROGRAMS = "test_random_programs_on_cuda"
+CSAN_BLIND = {
+    "test_hand_over_without_record_stream_is_caught": (
+        "not a race CSAN models: it forgets a block's accesses when the block is freed, so "
+        "another stream reusing the memory is not seen (the test itself sees the wrong values)"
+    ),
+}
+"""Negative controls whose race the sanitizer cannot see, with the reason (not counted)."""
 RESERVE_S = 8.0
 
 OUTCOME = re.compile(
@@ -37,6 +45,8 @@ OUTCOME = re.compile(
 )
 SHORT = re.compile(r"^(?P<outcome>FAILED|ERROR) (?P<id>\S+::\S+)(?: - (?P<message>.*))?$")
 STARTED = re.compile(r"^(?P<id>\S+::\S+) ?$")
+SECTION = re.compile(r"^_{3,} (?P<title>\S+) _{3,}$")  # a failure's section: "___ TestX.test_y ___"
+ERROR_LINE = re.compile(r"^E {3}(?P<message>\S.*)$")
 FINAL = re.compile(r"^=+ (?P<text>.*?) in [\d.]+s(?: \([^)]*\))? =+$")
 
 
@@ -74,19 +84,36 @@ def parse_log(text: str) -> PytestRun:
         ('1 passed, 1 failed', 'AssertionError: no', 'tests/a.py::test_z')
     """
     run = PytestRun()
+    section: str | None = None  # the failure section being read, as "TestX.test_y"
     for line in text.splitlines():
-        if match := OUTCOME.match(line):
+        if match := SECTION.match(line):
+            section = match["title"]
+        elif section and (match := ERROR_LINE.match(line)):
+            _first_error(run, section, match["message"])
+            section = None
+        elif match := OUTCOME.match(line):
             run.outcomes[match["id"]] = match["outcome"]
             if match["why"]:
                 run.messages.setdefault(match["id"], match["why"])
             run.running = None
-        elif match := SHORT.match(line):
-            run.messages[match["id"]] = match["message"] or ""
+        elif (match := SHORT.match(line)) and match["message"]:
+            run.messages[match["id"]] = match["message"]
         elif match := FINAL.match(line):
             run.final = match["text"]
         elif (match := STARTED.match(line)) and match["id"] not in run.outcomes:
             run.running = match["id"]
     return run
+
+
+def _first_error(run: PytestRun, section: str, message: str) -> None:
+    """Take a failure section's first ``E`` line as the message of the test it is about.
+
+    Verbose pytest leaves the message out of its short summary; the section is titled by the
+    test's class and name (``TestX.test_y[param]``), without the file.
+    """
+    for test in run.outcomes:
+        if ".".join(test.split("::")[1:]) == section:
+            run.messages.setdefault(test, message)
 
 
 def pytest(
@@ -190,7 +217,7 @@ def run_sanitizer(rec: Recorder, ctx: Any) -> None:
         limit_s=budget * 0.2,
         sanitizer=True,
     )
-    seen = _controls(rec, controls)
+    seen, expected = _controls(rec, controls)
     random, random_code = pytest(
         ctx,
         "random",
@@ -209,8 +236,8 @@ def run_sanitizer(rec: Recorder, ctx: Any) -> None:
         )
         if problem
     ]
-    summary = f"{main.describe()}; sanitizer caught {seen} of {len(controls.outcomes)} negative "
-    summary += "controls" + (" (stopped at the deadline)" if controls_code is None else "")
+    summary = f"{main.describe()}; sanitizer caught {seen} of the {expected} negative controls "
+    summary += "it can see" + (" (stopped at the deadline)" if controls_code is None else "")
     summary += "; random programs " + (
         "not finished by the deadline" if random_code is None else random.describe()
     )
@@ -223,18 +250,19 @@ def run_sanitizer(rec: Recorder, ctx: Any) -> None:
     rec.finish(status, summary, "; ".join(problems) or None)
 
 
-def _controls(rec: Recorder, controls: PytestRun) -> int:
-    """Record the negative controls' outcomes; return how many the sanitizer caught."""
+def _controls(rec: Recorder, controls: PytestRun) -> tuple[int, int]:
+    """Record the negative controls' outcomes; how many the sanitizer caught, of those it can."""
     rows = []
     for test, outcome in controls.outcomes.items():
+        name = test.split("::")[-1]
         message = controls.messages.get(test, "")
         caught = outcome in ("FAILED", "ERROR") and "sanitizer" in message.lower()
-        rows.append(
-            [test.split("::")[-1], outcome.lower(), "yes" if caught else "no", message[:160]]
-        )
+        seen = "yes" if caught else CSAN_BLIND.get(name, "no")
+        rows.append([name, outcome.lower(), seen, message[:160]])
     rec.table(
         "Negative controls under the sanitizer (deliberate races: expected caught)",
         ["test", "outcome", "caught by the sanitizer", "message"],
         rows,
     )
-    return sum(1 for row in rows if row[2] == "yes")
+    expected = sum(1 for row in rows if row[0] not in CSAN_BLIND)
+    return sum(1 for row in rows if row[2] == "yes"), expected

@@ -18,7 +18,7 @@ from .record import FAILED, OK, SKIPPED, TIMEOUT, Recorder, Target
 
 PART = "planner"
 SCRIPT = ("benchmarks", "plan.py")
-ARGS = ("--gpu", "--rounds", "3")  # the part has 30 s: three rounds of each plan
+ARGS = ("--gpu", "--rounds", "2")  # the part has 100 s: two rounds of each plan
 TARGET_LINE = re.compile(r"^(target met|TARGET MISSED): (.*)$")
 CHECKED = re.compile(
     r"^(?P<label>.*) (?P<value>\S+) \(target (?P<bound>[^)]*)\)$"

@@ -65,14 +65,16 @@ class Part:
 
 # NOTE [Sizing the GPU run]
 #
-# The whole run must end within 7 minutes (420 s) on one H100, start-up included. The limits
-# below add up to 395 s, and the run's budget (400 s) clips the limits of the last parts when
-# earlier ones ran long, so the parts end by 400 s plus, at worst, the last one's grace period
-# between SIGINT and SIGKILL (5 s); the runner itself starts in well under a second (it imports
-# no torch). Expected times on an H100, estimated from the sizes, are about half of each limit
-# (CUDA initialisation and imports are 5-10 s of every part): environment 5 s, CUDA tests
-# 30-40 s, the sanitizer's runs 40-60 s (every kernel launch is checked in Python), save_on_cpu
-# 35 s, checkpoint 20 s, parameter offloading 40 s, sync_gradients 15 s. The sizes are chosen
+# The whole run must end within 8 minutes (480 s) on one H100 or H200, start-up included. The
+# limits below add up to 430 s, and the run's budget (440 s) clips the limits of the last parts
+# when earlier ones ran long, so the parts end by 440 s plus, at worst, the last one's grace
+# period between SIGINT and SIGKILL (5 s); the runner itself starts in well under a second (it
+# imports no torch). Measured on an H200 (2026-11-28): environment 6 s, CUDA tests 15 s, the
+# sanitizer's runs past 70 s (the property test of random programs is cut at the deadline by
+# design: every kernel launch is checked in Python), save_on_cpu 36 s, checkpoint 16 s, parameter
+# offloading 25 s, sync_gradients 12 s; the planner's script did not finish in 30 s (profiling
+# and three rounds of every plan of an 8-block bf16 stack), so it has 100 s and two rounds. The
+# sizes are chosen
 # so that copies and kernels take milliseconds to tenths of a second per step, far above launch
 # overheads: save_on_cpu moves about 6.8 GB each way per step, the checkpointed stack 1.2 GB of
 # matmul outputs, the parameter-offloaded stack 1.2 GiB of fp32 weights. A part that sees its
@@ -80,31 +82,31 @@ class Part:
 # tables as it goes, so a part stopped at its limit still reports what it measured.
 PARTS: tuple[Part, ...] = (
     Part("environment", "Environment", 20, "environment:run", needs_cuda=False),
-    Part("cuda-tests", "CUDA tests (`pytest -m cuda`)", 70, "cuda_tests:run_tests"),
+    Part("cuda-tests", "CUDA tests (`pytest -m cuda`)", 50, "cuda_tests:run_tests"),
     Part(
         "sanitizer", "Offload tests under `TORCH_CUDA_SANITIZER=1`", 75, "cuda_tests:run_sanitizer"
     ),
     Part(
         "save-on-cpu",
         "save_on_cpu(pin_memory=True) on a bf16 transformer",
-        65,
+        70,
         "activation_offload:run",
     ),
     Part("checkpoint", "checkpoint: recompute, save or offload matmuls", 40, "checkpointing:run"),
     Part(
         "offload-parameters",
         "offload_parameters against FSDP2 and fairscale",
-        65,
+        50,
         "parameter_offload:run",
     ),
-    Part("sync-gradients", "sync_gradients over NCCL against DDP", 30, "gradient_sync:run"),
-    Part("planner", "Activation planner", 30, "planner:run"),
+    Part("sync-gradients", "sync_gradients over NCCL against DDP", 25, "gradient_sync:run"),
+    Part("planner", "Activation planner", 100, "planner:run"),
 )
 
 DRY_RUN_SLACK = 4.0
 """A dry run on the CPU gives every part, and the run, this many times its limit."""
 
-DEFAULT_BUDGET_S = 400.0
+DEFAULT_BUDGET_S = 440.0
 """Seconds for all parts together; see NOTE [Sizing the GPU run]."""
 
 

@@ -1347,6 +1347,7 @@ class TestSaveOnCpuCuda:
         x = torch.randn(1024, 1024, device="cuda", requires_grad=True)
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())  # x was made on the current stream
         with torch.cuda.stream(stream):
             x.exp()  # warm-up outside capture
         with (
@@ -1396,22 +1397,31 @@ class TestSaveOnCpuCuda:
         offloaded = held(th.save_on_cpu(pin_memory=True))
         assert offloaded < 0.3 * plain
 
-    def test_write_right_after_save(self) -> None:
-        """A write right after the save: raises in flight, save-time value once fenced."""
+    @staticmethod
+    def _write_right_after_save(max_in_flight: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Save ``x * 2``, write it in place at once; the input's gradient and the true one."""
         x = torch.randn(4096, 1024, device="cuda", requires_grad=True)
+        with th.save_on_cpu(pin_memory=True, max_in_flight=max_in_flight):
+            h = x * 2
+            loss = h.sin().sum()
+            with torch.no_grad():
+                h.add_(100)
+        (grad,) = torch.autograd.grad(loss, x)
+        return grad, (x.detach() * 2).cos() * 2
 
-        def run(max_in_flight: int) -> tuple[torch.Tensor, ...]:
-            with th.save_on_cpu(pin_memory=True, max_in_flight=max_in_flight):
-                h = x * 2
-                loss = h.sin().sum()
-                with torch.no_grad():
-                    h.add_(100)
-            return torch.autograd.grad(loss, x)
+    def test_write_while_copying_is_caught(self) -> None:
+        """A write right after the save, while its copy is in flight, raises at unpack.
 
+        A deliberate race of the user's (the write and the copy are unordered), so it is also
+        one of the negative controls the sanitizer run expects to catch.
+        """
         with pytest.raises(th.SavedTensorModifiedError, match="still copying"):
-            run(4)
-        expected = (x.detach() * 2).cos() * 2
-        torch.testing.assert_close(run(0)[0], expected)
+            self._write_right_after_save(max_in_flight=4)
+
+    def test_write_after_a_fenced_save(self) -> None:
+        """With max_in_flight=0 the copy is ordered before the write: the save-time value."""
+        grad, expected = self._write_right_after_save(max_in_flight=0)
+        torch.testing.assert_close(grad, expected)
 
     def test_write_after_exit_is_ordered_after_the_copy(self) -> None:
         """Writes after the context are ordered after the copies: save-time values, every time."""

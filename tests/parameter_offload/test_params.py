@@ -674,18 +674,36 @@ class TestCuda:
         handle.remove()
         assert th.live_graph_tasks() == 0
 
-    def test_autograd_grad_and_autocast(self) -> None:
-        """autograd.grad under bf16 autocast returns the resident grads, on the device."""
+    def test_autocast_backward_and_grad_of_the_input(self) -> None:
+        """Under bf16 autocast: backward() lands the resident grads; autograd.grad of the input."""
         ours, resident = stack(width=64), stack(width=64).cuda()
         handle = th.offload_parameters(ours, device="cuda")
-        x = batch(width=64).cuda()
-        results = []
+        x = batch(width=64).cuda().requires_grad_()
+        input_grads = []
         for model in (ours, resident):
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                out = model(x).float().sum()
-            results.append(torch.autograd.grad(out, list(model.parameters())))
-        for a, b in zip(*results, strict=True):
-            torch.testing.assert_close(a, b)
+                model(x).float().sum().backward()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                input_grads.append(torch.autograd.grad(model(x).float().sum(), x)[0])
+        for a, b in zip(ours.parameters(), resident.parameters(), strict=True):
+            assert a.grad is not None
+            assert b.grad is not None
+            torch.testing.assert_close(a.grad, b.grad.cpu())
+        torch.testing.assert_close(*input_grads)
+        handle.remove()
+
+    def test_autograd_grad_of_streamed_parameters_raises(self) -> None:
+        """autograd.grad over parameters streamed to a real device raises (a documented limit).
+
+        Returning a parameter to the host resets autograd's weak link from it to the gradient
+        accumulator the forward's graph uses (the device changed), so the engine cannot reach
+        that accumulator from the parameter: see docs/offload_parameters.md.
+        """
+        model = stack(width=64)
+        handle = th.offload_parameters(model, device="cuda")
+        out = model(batch(width=64).cuda()).sum()
+        with pytest.raises(RuntimeError, match="not have been used in the graph"):
+            torch.autograd.grad(out, list(model.parameters()))
         handle.remove()
 
 
