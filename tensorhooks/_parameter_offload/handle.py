@@ -139,9 +139,11 @@ def offload_parameters(
     to the host ``.grad`` and the device copies are freed. So the device holds about
     ``1 + prefetch`` blocks' parameters at a time. The ``nn.Parameter`` objects stay the same, so
     an optimizer built on ``module.parameters()`` steps on the host tensors.
-    ``torch.autograd.grad`` (which returns gradients on the device), ``backward(inputs=...)``,
-    gradient accumulation, ``retain_graph``, weights tied between blocks, frozen parameters,
-    autocast and ``save_on_cpu`` around the forward all work.
+    Gradient accumulation, ``retain_graph``, weights tied between blocks, frozen parameters,
+    autocast, ``save_on_cpu`` around the forward and ``torch.autograd.grad`` over the inputs all
+    work. On an accelerator the parameters get their gradients through ``backward()`` only:
+    ``torch.autograd.grad`` or ``backward(inputs=...)`` over them does not reach them (see the
+    limits in docs/offload_parameters.md).
 
     The model may change between steps as a resident one does: values written in place or
     assigned (``param.data = ...``, ``vector_to_parameters``, ``load_state_dict``), dtype
