@@ -21,10 +21,16 @@ from torch import nn
 
 from tensorhooks._checkpoint import is_recomputing
 from tensorhooks._core.errors import PlanArgumentTypeError, PlanArgumentValueError, PlanStateError
-from tensorhooks._core.torch_compat import OpOverload, TorchDispatchMode, current_graph_task_id
+from tensorhooks._core.torch_compat import (
+    OpOverload,
+    TorchDispatchMode,
+    current_graph_task_id,
+    op_schema,
+    storage_key,
+)
 from tensorhooks._hooks import saved_tensors_hooks
 
-from .apply import hf_checkpointing_message, hf_checkpointing_on
+from .apply import hf_checkpointing_message, hf_checkpointing_on, tensors_in
 
 __all__ = ["StepWatch", "budget_in_bytes", "check_model_state", "untouched"]
 
@@ -112,9 +118,30 @@ class _WatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        kwargs = {} if kwargs is None else kwargs
+        watch = self.watch
         if current_graph_task_id() != -1:
-            self.watch.backward = True
-        return func(*args, **({} if kwargs is None else kwargs))
+            watch.backward = True
+        elif watch.inputs and watch.written is None and not is_recomputing():
+            written = {storage_key(tensor) for tensor in _written(func, args, kwargs)} - {None}
+            if written & watch.inputs[-1][1]:
+                watch.written = (watch.inputs[-1][0], func)
+        return func(*args, **kwargs)
+
+
+def _written(func: OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensor arguments ``func`` writes in place."""
+    schema = op_schema(func)
+    if not schema.is_mutable:
+        return []
+    found: list[torch.Tensor] = []
+    for position, argument in enumerate(schema.arguments):
+        info = argument.alias_info
+        if info is None or not info.is_write:
+            continue
+        value = args[position] if position < len(args) else kwargs.get(argument.name)
+        tensors_in(value, found)
+    return found
 
 
 def _same(tensor: torch.Tensor) -> torch.Tensor:
@@ -135,6 +162,8 @@ class StepWatch:
         self.order: list[int] = []  # block indices as their forward starts
         self.backward = False
         self.graph = False
+        self.inputs: list[tuple[int, set[int | None]]] = []  # blocks running: their inputs
+        self.written: tuple[int, OpOverload] | None = None  # a block that wrote its input
 
     def run(self, step: Callable[[], object]) -> None:
         """Call ``step`` (already wrapped as the caller wants it run), watched.
@@ -143,14 +172,20 @@ class StepWatch:
             PlanStateError: if the step ran no backward, or its backward records a graph.
         """
         handles = [
-            block.register_forward_pre_hook(self._pre_hook(index))
+            hook
             for index, block in enumerate(self.blocks)
+            for hook in (
+                block.register_forward_pre_hook(self._pre_hook(index), with_kwargs=True),
+                block.register_forward_hook(self._post_hook, always_call=True),
+            )
         ]
         try:
             with _WatchMode(self), saved_tensors_hooks(self._pack, _same):
                 step()
-        except Exception:
+        except Exception as error:
             self._check()  # the cause the step's own error may hide
+            if self.written is not None:
+                raise PlanStateError(self._written_message()) from error
             raise
         finally:
             for handle in handles:
@@ -163,11 +198,28 @@ class StepWatch:
         return tensor
 
     def _pre_hook(self, index: int) -> Callable[..., None]:
-        def note(module: nn.Module, args: object) -> None:
-            if current_graph_task_id() == -1:
+        def note(module: nn.Module, args: object, kwargs: object) -> None:
+            if current_graph_task_id() == -1 and not is_recomputing():
                 self.order.append(index)
+                keys = {storage_key(tensor) for tensor in tensors_in((args, kwargs), [])}
+                self.inputs.append((index, keys))
 
         return note
+
+    def _post_hook(self, module: nn.Module, args: object, output: object) -> None:
+        if current_graph_task_id() == -1 and not is_recomputing() and self.inputs:
+            self.inputs.pop()
+
+    def _written_message(self) -> str:
+        assert self.written is not None
+        index, func = self.written
+        name = type(self.blocks[index]).__name__
+        return (
+            f"{self.caller}: block {index} ({name}) writes its input in place ({func}); a "
+            "checkpointed block keeps its input to run again in backward, so it must not change "
+            "it. Make that op out of place (x = x * 2 rather than x.mul_(2)), or pass "
+            "blocks=[...] that leave this one out"
+        )
 
     def _check(self) -> None:
         if self.graph:
