@@ -8,6 +8,7 @@
 - `plan`: `plan_activations` and the plan it returns; `report`: the plan in words.
 - `presets`: the hand choices (no checkpointing, full, save matmuls, offload) as plans.
 - `blocks`: which modules are blocks.
+- `checks`: what planning refuses before profiling, and the state it puts back after.
 """
 
 from .plan import ActivationPlan, ActivationPlanHandle, plan_activations

@@ -10,6 +10,8 @@ the region inputs and what a recomputation keeps (the profiler is one).
 from __future__ import annotations
 
 import contextlib
+import copy
+import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +30,17 @@ from tensorhooks._core.torch_compat import CheckpointPolicy, OpOverload
 
 from .accounting import DEVICE, HOST, HeldBytes, Hold, delegating_hooks
 
-__all__ = ["OFFLOAD", "SAVE", "Action", "Application", "Watcher", "tensors_in"]
+__all__ = [
+    "OFFLOAD",
+    "SAVE",
+    "Action",
+    "Application",
+    "Watcher",
+    "hf_checkpointing_message",
+    "hf_checkpointing_on",
+    "tensors_in",
+    "without_cache",
+]
 
 SAVE = "save"
 OFFLOAD = "offload"
@@ -134,10 +146,77 @@ class _RegionHolds:
         self.kept.pop(position, None)
 
 
+# NOTE [Caches of Hugging Face layers]
+#
+# A Hugging Face decoder layer (a ``GradientCheckpointingLayer``) appends its keys and values to
+# the KV cache it is handed; recomputing it in backward would append them again (a size error,
+# or checkpoint's "ran during recomputation but not in the forward pass"). Causal LMs keep
+# ``use_cache=True`` in training, so a checkpointed layer runs without a cache, as Hugging Face's
+# own gradient checkpointing does (``GradientCheckpointingLayer`` in
+# transformers/modeling_layers.py): ``use_cache=False``, and unless the layer only reads the
+# cache (``_can_checkpoint_with_cache``), ``cache=None`` and ``layer_past=None``. Kept layers
+# still fill the cache; a checkpointed one leaves its entry out, as with Hugging Face's.
+
+_CACHE_ARGUMENTS = ("cache", "layer_past", "past_key_value", "past_key_values")
+
+
+def without_cache(
+    module: nn.Module, positions: Sequence[str], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments of a checkpointed Hugging Face layer with its cache off.
+
+    See NOTE [Caches of Hugging Face layers]. Other modules' arguments are left as they are. A
+    cache passed by position (GPT-2's blocks take it second) is found by its parameter's name
+    in ``positions``, the names of the forward's positional parameters.
+    """
+    reads_only = getattr(type(module), "_can_checkpoint_with_cache", None)
+    if reads_only is None:  # not a Hugging Face GradientCheckpointingLayer
+        return args, kwargs
+    names = ("use_cache",) if reads_only else ("use_cache", *_CACHE_ARGUMENTS)
+    changed = dict(kwargs)
+    for name in names:
+        if changed.get(name):
+            changed[name] = False if name == "use_cache" else None
+    values = list(args)
+    for position, value in enumerate(values[: len(positions)]):
+        if positions[position] in names and value is not None and value is not False:
+            values[position] = False if positions[position] == "use_cache" else None
+    return tuple(values), changed
+
+
+def _positional_names(forward: Callable[..., Any]) -> tuple[str, ...]:
+    """The names of ``forward``'s positional parameters, in order (none if it has no signature)."""
+    try:
+        parameters = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(parameter.name for parameter in parameters if parameter.kind in kinds)
+
+
+def hf_checkpointing_message(caller: str) -> str:
+    """What to say when Hugging Face's gradient checkpointing is on under a plan."""
+    return (
+        f"{caller}: the model's own gradient checkpointing is on "
+        "(model.gradient_checkpointing_enable() or activation_checkpointing_enable()), so its "
+        "layers would be checkpointed twice and the plan's figures would not hold; call "
+        "model.gradient_checkpointing_disable() (the plan checkpoints the layers itself)"
+    )
+
+
+def hf_checkpointing_on(modules: Sequence[nn.Module]) -> bool:
+    """Whether Hugging Face's gradient checkpointing is on in ``modules`` or inside them."""
+    return any(
+        getattr(inner, "gradient_checkpointing", False) is True
+        for module in modules
+        for inner in module.modules()
+    )
+
+
 class _BlockForward:
     """What a planned block's ``forward`` attribute is while the application is installed."""
 
-    __slots__ = ("action", "application", "index", "module", "original")
+    __slots__ = ("action", "application", "index", "module", "original", "positions")
 
     def __init__(self, application: Application, index: int, action: Action) -> None:
         self.application = application
@@ -145,13 +224,17 @@ class _BlockForward:
         self.module = application.blocks[index]
         self.original: Callable[..., Any] = self.module.forward
         self.action = action
+        self.positions = _positional_names(self.original)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         application = self.application
         watcher = application.watcher
+        if self.module.__dict__.get("gradient_checkpointing") is True:
+            raise PlanStateError(hf_checkpointing_message(self.application.caller))
         with watcher.forward(self.index):
             if not self.action.checkpoint or not torch.is_grad_enabled():
                 return self.original(*args, **kwargs)
+            args, kwargs = without_cache(self.module, self.positions, args, kwargs)
             watcher.inputs(self.index, tensors_in((args, kwargs), []))
             holds = None if application.held is None else _RegionHolds(application.held)
             function = self._function(holds)
@@ -160,6 +243,16 @@ class _BlockForward:
                 if context_fn is None:
                     return checkpoint(function, *args, **kwargs)
                 return checkpoint(function, *args, context_fn=context_fn, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        # A copy of a planned model (an EMA copy, taken inside ``with plan:``) is a plain model:
+        # its block gets its own forward, not this plan's.
+        return copy.deepcopy(self.original, memo)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # ``torch.save(model)`` while planned saves the block's own forward (a bound method
+        # pickles by name), not the plan, which holds locks and streams.
+        return self.original.__reduce_ex__(protocol)
 
     def _function(self, holds: _RegionHolds | None) -> Callable[..., Any]:
         """The region's function: the block's forward, with the measuring hooks if any."""
@@ -263,6 +356,7 @@ class Application:
         watcher: who hears the block boundaries and saves (the profiler), or None.
         min_offload_bytes: region inputs smaller than this stay on the device when a block
             offloads its input.
+        caller: the function named in errors.
     """
 
     def __init__(
@@ -273,8 +367,10 @@ class Application:
         held: HeldBytes | None = None,
         watcher: Watcher | None = None,
         min_offload_bytes: int = 1 << 20,
+        caller: str = "plan_activations",
     ) -> None:
         self.blocks = list(blocks)
+        self.caller = caller
         self.actions = list(actions)
         self.held = held
         self.watcher = _SILENT if watcher is None else watcher
@@ -289,8 +385,11 @@ class Application:
         """Replace each block's ``forward``.
 
         Raises:
-            PlanStateError: if a block is already planned (by this application or another).
+            PlanStateError: if a block is already planned (by this application or another), or
+                Hugging Face's gradient checkpointing is on in a block.
         """
+        if hf_checkpointing_on(self.blocks):
+            raise PlanStateError(hf_checkpointing_message(self.caller))
         for index, block in enumerate(self.blocks):
             if isinstance(block.__dict__.get("forward"), _BlockForward):
                 raise PlanStateError(

@@ -1,4 +1,4 @@
-"""Which modules a plan decides for: the blocks, by default the model's repeated children."""
+"""Which modules a plan decides for: the blocks, by default the layers of every repeated stack."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch import nn
 from tensorhooks._core.blocks import check_blocks, children_blocks
 from tensorhooks._core.errors import PlanArgumentTypeError, PlanArgumentValueError
 
-__all__ = ["default_blocks", "resolve_blocks"]
+__all__ = ["default_blocks", "repeated_stacks", "resolve_blocks"]
 
 
 def _repeated(container: nn.Module) -> list[nn.Module] | None:
@@ -22,13 +22,39 @@ def _repeated(container: nn.Module) -> list[nn.Module] | None:
     return members
 
 
-def default_blocks(model: nn.Module) -> list[nn.Module]:
-    """The longest run of repeated children in ``model``: the layers of a transformer.
+def repeated_stacks(model: nn.Module) -> list[list[nn.Module]]:
+    """Every stack of repeated layers in ``model``, in the order the model registers them.
 
-    The first ``nn.ModuleList`` or ``nn.Sequential`` found breadth-first whose members (two or
-    more) share one class, the longest if several are; ``model.model.layers`` of a Hugging Face
-    causal LM, ``model.layers`` or ``model.blocks`` of most others. Without one, the children of
-    ``model`` (a ModuleList among them expanded), as `offload_parameters` takes them.
+    A stack is a ``nn.ModuleList`` or ``nn.Sequential`` of two or more modules of one class
+    that hold parameters, not inside another stack: ``model.model.layers`` of a Hugging Face
+    causal LM; both ``encoder.block`` and ``decoder.block`` of T5. The experts of a
+    mixture-of-experts layer are inside the layers' stack, so they are not a stack of their own.
+
+    Example:
+        >>> import torch
+        >>> stack = lambda: torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+        >>> model = torch.nn.ModuleDict({"encoder": stack(), "decoder": stack()})
+        >>> [len(found) for found in repeated_stacks(model)]
+        [2, 2]
+    """
+    stacks: list[list[nn.Module]] = []
+    pending = [model]
+    while pending:
+        module = pending.pop(0)
+        members = _repeated(module)
+        if members is not None and any(True for _ in module.parameters()):
+            stacks.append(members)
+        else:
+            pending.extend(module.children())
+    order = {id(module): index for index, module in enumerate(model.modules())}
+    return sorted(stacks, key=lambda members: order[id(members[0])])
+
+
+def default_blocks(model: nn.Module) -> list[nn.Module]:
+    """The layers of every stack of repeated layers in ``model`` (`repeated_stacks`).
+
+    Without one, the children of ``model`` (a ModuleList among them expanded), as
+    `offload_parameters` takes them. Profiling puts the blocks in the order the step runs them.
 
     Example:
         >>> import torch
@@ -37,15 +63,8 @@ def default_blocks(model: nn.Module) -> list[nn.Module]:
         >>> len(default_blocks(model))
         3
     """
-    best: list[nn.Module] = []
-    pending = [model]
-    while pending:
-        module = pending.pop(0)
-        members = _repeated(module)
-        if members is not None and len(members) > len(best):
-            best = members
-        pending.extend(module.children())
-    return best or children_blocks(model)
+    found = [member for members in repeated_stacks(model) for member in members]
+    return found or children_blocks(model)
 
 
 def resolve_blocks(

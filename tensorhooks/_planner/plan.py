@@ -16,18 +16,24 @@ from tensorhooks._core.errors import (
 
 from .accounting import DEVICE, HOST, HeldBytes, holding_hooks, module_keys
 from .apply import OFFLOAD, SAVE, Action, Application, OpKey
-from .blocks import resolve_blocks
+from .blocks import repeated_stacks, resolve_blocks
+from .checks import budget_in_bytes, check_model_state, untouched
 from .costs import KEEP, Choice, CostTable, choice_outcome, cost_table, plan_peak
 from .costs import OFFLOAD as OFFLOADED
 from .costs import SAVE as SAVED
 from .profiling import StepProfile, check_step, profile_step
-from .recording import StepClock, device_of, grads_kept
+from .recording import StepClock, device_of
 from .report import BlockPlan, PlanReport, mib, plan_table
 from .solver import Solution, block_menu, least_peak, solve
 
 __all__ = ["ActivationPlan", "ActivationPlanHandle", "plan_activations"]
 
 _DEFAULT_MIN_OFFLOAD_BYTES = 1 << 20
+
+NO_STACKS = (
+    "no repeated blocks found (no ModuleList or Sequential of two or more layers of one class), "
+    "so the model's children are the blocks; pass blocks=[...] with the layers to plan"
+)
 
 
 def _op_name(key: OpKey) -> str:
@@ -84,6 +90,11 @@ class ActivationPlanHandle:
         self._application.remove()
 
     def __enter__(self) -> ActivationPlanHandle:
+        if self._removed:
+            raise PlanStateError(
+                "ActivationPlanHandle: this handle was already removed, so `with handle:` would "
+                "run its body unplanned; apply the plan again (with plan.apply(): ...)"
+            )
         return self
 
     def __exit__(self, *args: object) -> None:
@@ -133,6 +144,7 @@ class ActivationPlan:
         unplanned_peak_bytes: int,
         exact: bool,
         min_offload_bytes: int,
+        note: str | None = None,
     ) -> None:
         self._model = model
         self._step = step
@@ -150,6 +162,8 @@ class ActivationPlan:
         """The predicted peak with no plan (every block kept): what a fractional budget scales."""
         self.exact = exact
         """False where a block had more policies than the solver searches one by one."""
+        self.note = note
+        """What the plan warns of, such as no repeated blocks found, or None."""
         self.choices = solution.choices
         self.predicted_peak_bytes = solution.peak
         """The predicted peak of device bytes held for backward."""
@@ -277,7 +291,7 @@ class ActivationPlan:
             raise PlanArgumentValueError(f"report: rounds must be an int >= 1, got {rounds!r}")
         clock = StepClock(device_of(self._model, self.profile.device))
         samples = []
-        with grads_kept(self._model):
+        with untouched(self._model, "report"):
             if self.measured_peak_bytes is None:
                 with self:
                     self._step()
@@ -327,6 +341,8 @@ class ActivationPlan:
         ]
         if not self.exact:
             lines.append("(some blocks had more policies than searched one by one: grouped)")
+        if self.note is not None:
+            lines.append(f"note: {self.note}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -335,27 +351,6 @@ class ActivationPlan:
             f"predicted peak {self.predicted_peak_bytes} B, "
             f"step {self.predicted_step_seconds * 1e3:.3f} ms>"
         )
-
-
-def _budget_bytes(budget: object, unplanned: int) -> int:
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise PlanArgumentTypeError(
-            f"plan_activations: budget must be an int (bytes) or a float (a fraction of the "
-            f"unplanned peak), got {budget!r} of type {type(budget).__name__}"
-        )
-    if isinstance(budget, float):
-        if not 0.0 < budget <= 1.0:
-            raise PlanArgumentValueError(
-                f"plan_activations: a float budget is a fraction of the unplanned peak "
-                f"({unplanned} bytes) and must be in (0, 1], got {budget!r}; pass an int for "
-                "bytes"
-            )
-        return int(budget * unplanned)
-    if budget <= 0:
-        raise PlanArgumentValueError(
-            f"plan_activations: budget must be positive, got {budget!r} bytes"
-        )
-    return budget
 
 
 def _check_options(bandwidth: object, min_offload_bytes: object) -> None:
@@ -386,29 +381,38 @@ def _profile_for(
     blocks: Sequence[nn.Module] | None,
     profile: StepProfile | None,
 ) -> tuple[list[nn.Module], StepProfile]:
+    """The blocks and their profile, both in the order the step runs the blocks."""
     named = resolve_blocks(model, blocks, "plan_activations")
-    modules = [module for _, module in named]
     if profile is None:
-        return modules, profile_step(model, step, blocks=modules)
-    if not isinstance(profile, StepProfile):
+        profile = profile_step(model, step, blocks=blocks)
+    elif not isinstance(profile, StepProfile):
         raise PlanArgumentTypeError(
             f"plan_activations: profile must be a StepProfile (from profile_step), got "
             f"{profile!r} of type {type(profile).__name__}"
         )
-    names = [name for name, _ in named]
+    else:
+        check_model_state(model, "plan_activations")
+    by_name = {**dict(model.named_modules()), "(model)": model}
     profiled = [block.name for block in profile.blocks]
-    if names != profiled:
+    if blocks is not None and sorted(name for name, _ in named) != sorted(profiled):
         raise PlanArgumentValueError(
-            f"plan_activations: the profile is of blocks {profiled}, not of {names}; pass the "
-            "blocks the profile was made with, or profile again"
+            f"plan_activations: the profile is of blocks {profiled}, not of "
+            f"{[name for name, _ in named]}; pass the blocks the profile was made with, or "
+            "profile again"
         )
-    return modules, profile
+    missing = [name for name in profiled if name not in by_name]
+    if missing:
+        raise PlanArgumentValueError(
+            f"plan_activations: the profile is of blocks {missing} that {type(model).__name__} "
+            "does not have; pass the model the profile was made of, or profile again"
+        )
+    return [by_name[name] for name in profiled], profile
 
 
 def plan_activations(
     model: nn.Module,
     step: Callable[[], object],
-    budget: int | float,
+    budget: int | float | str,
     *,
     blocks: Sequence[nn.Module] | None = None,
     profile: StepProfile | None = None,
@@ -444,9 +448,13 @@ def plan_activations(
         model: the model ``step`` trains.
         step: runs one forward and backward the way training does, with the real shapes, and
             no optimizer step (it is called several times).
-        budget: bytes (an int), or a fraction in (0, 1] of the peak with no plan (a float).
-        blocks: the modules to plan, each called once per step; default: the longest run of
-            repeated children (``model.model.layers`` of a Hugging Face model).
+        budget: bytes (an int), a fraction in (0, 1] of the peak with no plan (a float), or a
+            size with units (``"8GB"``, ``"512MiB"``, ``"1.5GiB"``: KB, MB, GB, TB are powers
+            of 1000, KiB, MiB, GiB, TiB of 1024).
+        blocks: the modules to plan, each called once per step; default: the layers of every
+            stack of repeated layers (``model.model.layers`` of a Hugging Face model, both
+            ``encoder.block`` and ``decoder.block`` of T5). Planned in the order the step runs
+            them.
         profile: a `StepProfile` of these blocks, to plan without profiling again.
         bandwidth: host↔device bytes per second to plan offloading for; default: the
             profile's (measured on CUDA; none on a CPU, where nothing is offloaded).
@@ -458,26 +466,32 @@ def plan_activations(
     Raises:
         PlanArgumentTypeError: if ``model``, ``step``, ``budget``, ``blocks``, ``profile`` or
             ``bandwidth`` has the wrong type (a ``TypeError``).
-        PlanArgumentValueError: if ``budget`` is not positive, a float budget is above 1,
-            ``bandwidth`` is not positive, ``min_offload_bytes`` is negative, or the blocks are
-            not the profile's (a ``ValueError``).
+        PlanArgumentValueError: if ``budget`` is not positive, a float budget is above 1, a
+            string budget is not a size, ``bandwidth`` is not positive, ``min_offload_bytes``
+            is negative, or the blocks are not the profile's (a ``ValueError``).
         PlanBudgetError: if ``budget`` is below the least peak any plan reaches; the message
             names that figure (a ``ValueError``).
-        PlanStateError: if a block runs twice in the step, or not at all (a ``RuntimeError``).
+        PlanStateError: if a block runs twice in the step, or not at all; the step runs no
+            backward, records a graph in backward (``create_graph=True``) or changes a
+            parameter; or the model's own gradient checkpointing is on (Hugging Face's
+            ``gradient_checkpointing_enable()``) (a ``RuntimeError``).
     """
     check_step(step, "plan_activations")
     _check_options(bandwidth, min_offload_bytes)
     modules, profile = _profile_for(model, step, blocks, profile)
+    no_stacks = blocks is None and not repeated_stacks(model)
     link = profile.bandwidth if bandwidth is None else float(bandwidth)
     table, keys = cost_table(profile, link, min_offload_bytes)
     menus = [block_menu(block, link) for block in table.blocks]
     unplanned = plan_peak(table, [choice_outcome(block, KEEP, link) for block in table.blocks])
     least = least_peak(table, menus)
-    budget_bytes = _budget_bytes(budget, unplanned)
+    budget_bytes = budget_in_bytes(budget, unplanned, "plan_activations")
     if budget_bytes < least:
         hint = (
             "; with a host link (bandwidth=...) offloading could lower it" if link is None else ""
         )
+        if no_stacks:
+            hint += f"; {NO_STACKS}"
         raise PlanBudgetError(
             f"plan_activations: budget={budget!r} ({budget_bytes} bytes, {mib(budget_bytes)}) "
             f"is below the least peak any plan reaches: {least} bytes ({mib(least)}, "
@@ -499,4 +513,5 @@ def plan_activations(
         unplanned_peak_bytes=unplanned,
         exact=all(menu.exact for menu in menus),
         min_offload_bytes=min_offload_bytes,
+        note=NO_STACKS if no_stacks else None,
     )

@@ -8,6 +8,7 @@ NOTE [Profiling a step with every block recomputed] there; this module turns wha
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -17,8 +18,9 @@ from torch import nn
 from tensorhooks._core.errors import PlanArgumentTypeError, PlanArgumentValueError
 from tensorhooks._core.torch_compat import OpOverload
 
-from .apply import FULL
-from .blocks import resolve_blocks
+from .apply import FULL, Application
+from .blocks import repeated_stacks, resolve_blocks
+from .checks import StepWatch, check_model_state, untouched
 from .recording import (
     BEFORE,
     BETWEEN,
@@ -26,10 +28,8 @@ from .recording import (
     StepClock,
     Timings,
     device_of,
-    grads_kept,
     instrumented,
     measured_bandwidth,
-    measured_peak,
     median,
     timed,
 )
@@ -172,6 +172,41 @@ class StepProfile:
     bandwidth: float | None
     checkpointed_peak_bytes: int
     unplanned_peak_bytes: int | None
+
+    def __post_init__(self) -> None:
+        """Check the figures a caller may have replaced (``dataclasses.replace``)."""
+        if self.bandwidth is not None and (
+            isinstance(self.bandwidth, bool)
+            or not isinstance(self.bandwidth, (int, float))
+            or not self.bandwidth > 0
+        ):
+            raise PlanArgumentValueError(
+                f"StepProfile: bandwidth must be a positive number of bytes per second, or None "
+                f"for no host link, got {self.bandwidth!r}"
+            )
+        for name in _SECONDS_AND_BYTES:
+            value = getattr(self, name)
+            if value is not None and not (
+                isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+            ):
+                raise PlanArgumentValueError(
+                    f"StepProfile: {name} must be a finite number >= 0, got {value!r}"
+                )
+
+
+_SECONDS_AND_BYTES = (
+    "fixed_bytes",
+    "after_bytes",
+    "after_forward_seconds",
+    "after_backward_seconds",
+    "checkpointed_step_seconds",
+    "unplanned_step_seconds",
+    "checkpoint_overhead_seconds",
+    "policy_op_seconds",
+    "cached_op_seconds",
+    "checkpointed_peak_bytes",
+    "unplanned_peak_bytes",
+)
 
 
 def _block_profile(
@@ -316,6 +351,36 @@ def check_step(step: object, caller: str) -> Callable[[], object]:
     return step
 
 
+def _in_run_order(
+    model: nn.Module,
+    named: list[tuple[str, nn.Module]],
+    step: Callable[[], object],
+    *,
+    default: bool,
+) -> list[tuple[str, nn.Module]]:
+    """``named`` in the order the step runs them, from one warm-up step (every block recomputed).
+
+    The cost model takes the blocks in forward order (backward runs them last to first). Of the
+    default blocks, a whole stack the step never runs is left out (a decoder in an encoder-only
+    step); blocks passed by the caller that do not run are refused by the profiled step.
+    """
+    modules = [module for _, module in named]
+    watch = StepWatch(modules, "profile_step")
+    application = Application(modules, [FULL] * len(modules), caller="profile_step")
+    application.install()
+    try:
+        watch.run(step)  # also warms up the op times
+    finally:
+        application.remove()
+    ran = [named[index] for index in watch.run_order()]
+    ran_ids = {id(module) for _, module in ran}
+    if default and ran:
+        idle = [stack for stack in repeated_stacks(model) if not ran_ids & set(map(id, stack))]
+        left_out = {id(member) for stack in idle for member in stack}
+        named = [pair for pair in named if id(pair[1]) not in left_out]
+    return ran + [pair for pair in named if id(pair[1]) not in ran_ids]
+
+
 def profile_step(
     model: nn.Module,
     step: Callable[[], object],
@@ -350,10 +415,13 @@ def profile_step(
     Args:
         model: the model the step trains.
         step: runs one forward and backward the way training does (no optimizer step: it is
-            called several times), with the same shapes. The parameters' ``.grad`` are put
-            back as they were after the profiled steps.
-        blocks: the modules to plan, each run once per step; default: the longest run of
-            repeated children (`model.model.layers` of a Hugging Face model).
+            called several times), with the same shapes. The parameters' ``.grad``, the
+            model's buffers (BatchNorm's running statistics) and the RNG states are put back as
+            they were after the profiled steps.
+        blocks: the modules to plan, each run once per step; default: the layers of every
+            stack of repeated layers (``model.model.layers`` of a Hugging Face model, both
+            stacks of T5), less a stack the step does not run. The profile lists them in the
+            order the step runs them.
         rounds: timed rounds of each variant (one more warms up).
         unplanned: also time (and measure) the step with no plan; pass False when it does not
             fit in memory, and the cost of checkpointing a block beyond its recomputation is
@@ -369,17 +437,22 @@ def profile_step(
             ``step`` is not callable (a ``TypeError``).
         PlanArgumentValueError: if ``rounds`` is not a positive int, or the blocks are not
             distinct submodules of the model (a ``ValueError``).
-        PlanStateError: if a block runs twice in the step or not at all (a ``RuntimeError``).
+        PlanStateError: if a block runs twice in the step or not at all, the step runs no
+            backward, records a graph in backward (``create_graph=True``, which the cost model
+            cannot price), or changes a parameter in place, or the model's own gradient
+            checkpointing is on (Hugging Face's ``gradient_checkpointing_enable()``) (a
+            ``RuntimeError``).
     """
     named = resolve_blocks(model, blocks, "profile_step")
     check_step(step, "profile_step")
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise PlanArgumentValueError(f"profile_step: rounds must be an int >= 1, got {rounds!r}")
-    modules = [module for _, module in named]
+    check_model_state(model, "profile_step")
     where = device_of(model, device)
     clock = StepClock(where)
-    with grads_kept(model):
-        measured_peak(model, modules, [FULL] * len(modules), step)  # warms up the op times
+    with untouched(model, "profile_step"):
+        named = _in_run_order(model, named, step, default=blocks is None)
+        modules = [module for _, module in named]
         recorder = instrumented(model, modules, step, clock)
         recorder.fastest(instrumented(model, modules, step, clock))
         profiled = _blocks(recorder, [name for name, _ in named])

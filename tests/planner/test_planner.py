@@ -285,7 +285,8 @@ def test_plan_does_not_nest(small: tuple[nn.Module, Callable[[], None]]) -> None
 @pytest.mark.parametrize(
     ("arguments", "error", "match"),
     [
-        ({"budget": "half"}, th.PlanArgumentTypeError, r"budget must be an int .* got 'half'"),
+        ({"budget": [1]}, th.PlanArgumentTypeError, r"budget must be an int .* got \[1\]"),
+        ({"budget": "half"}, th.PlanArgumentValueError, r"budget 'half' is not a size"),
         ({"budget": 1.5}, th.PlanArgumentValueError, r"must be in \(0, 1\], got 1\.5"),
         ({"budget": -3}, th.PlanArgumentValueError, r"budget must be positive, got -3"),
         ({"bandwidth": 0.0}, th.PlanArgumentValueError, r"bandwidth must be positive"),

@@ -1,0 +1,301 @@
+"""What planning checks before it trusts a step, and what it puts back after running it.
+
+- `untouched`: the model's buffers, the parameters' ``.grad`` and the RNG states are as they
+  were after the profiled steps (profiling runs the step many times).
+- `StepWatch`: one warm-up step, watched: the order the blocks run in, whether a backward ran,
+  and whether that backward records a graph (``create_graph=True``), which the cost model does
+  not price. See NOTE [What the cost model cannot price].
+- `budget_in_bytes`: a budget in bytes, from an int, a fraction or a string with units.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from tensorhooks._checkpoint import is_recomputing
+from tensorhooks._core.errors import PlanArgumentTypeError, PlanArgumentValueError, PlanStateError
+from tensorhooks._core.torch_compat import (
+    OpOverload,
+    TorchDispatchMode,
+    current_graph_task_id,
+    op_schema,
+    storage_key,
+)
+from tensorhooks._hooks import saved_tensors_hooks
+
+from .apply import hf_checkpointing_message, hf_checkpointing_on, tensors_in
+
+__all__ = ["StepWatch", "budget_in_bytes", "check_model_state", "untouched"]
+
+# NOTE [What the cost model cannot price]
+#
+# The cost model counts what the forward pass saves for backward and what a recomputation keeps
+# while its block's backward runs. A backward that records a graph itself (``create_graph=True``,
+# a gradient penalty's ``torch.autograd.grad``) saves again for the second backward: tensors the
+# profile never sees, held past the blocks' backward (3.3x the budget on a small MLP). There is
+# no exact price for them in a per-block model, so profiling refuses such a step rather than
+# plan it silently. Seen by a pair of saved-tensor hooks around the step: a save while a
+# backward runs. Checkpoint's recomputations and the blocks' own saves go to the hooks they
+# push themselves, so what reaches the outer pair in backward is saved for a second backward.
+
+
+@contextlib.contextmanager
+def untouched(model: nn.Module, caller: str) -> Iterator[None]:
+    """Run the body and put ``model``'s buffers, ``.grad`` and the RNG states back as they were.
+
+    The parameters' ``.grad`` are set aside (None during the body, so that backward does not
+    add into them) and given back, the same tensors; buffers (BatchNorm's running statistics
+    and ``num_batches_tracked``) get their values back, bitwise; the CPU generator's state, and
+    every CUDA device's if CUDA is initialized, are restored.
+
+    Raises:
+        PlanStateError: if the body changed a parameter in place (an optimizer step inside
+            ``step``): planning cannot undo that.
+    """
+    grads = [(parameter, parameter.grad) for parameter in model.parameters()]
+    versions = [(name, parameter._version) for name, parameter in model.named_parameters()]
+    buffers = [
+        (module, name, buffer, buffer.detach().clone())
+        for module in model.modules()
+        for name, buffer in module._buffers.items()
+        if buffer is not None
+    ]
+    cpu_state = torch.get_rng_state()
+    initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]  # untyped in torch
+    cuda_states = torch.cuda.get_rng_state_all() if initialized else None
+    for parameter, _ in grads:
+        parameter.grad = None
+    try:
+        yield
+    finally:
+        for parameter, grad in grads:
+            parameter.grad = grad
+        with torch.no_grad():
+            for module, name, buffer, value in buffers:
+                module._buffers[name] = buffer
+                buffer.copy_(value)
+        torch.set_rng_state(cpu_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+    parameters = dict(model.named_parameters())
+    changed = [name for name, version in versions if parameters[name]._version != version]
+    if changed:
+        raise PlanStateError(
+            f"{caller}: step changed the parameters {changed[:3]} in place (an optimizer step, "
+            "or a weight update in the step); step must run one forward and backward only, "
+            "since it is called several times: move optimizer.step() out of it"
+        )
+
+
+def check_model_state(model: nn.Module, caller: str) -> None:
+    """Refuse a model whose own gradient checkpointing (Hugging Face's) is on.
+
+    Raises:
+        PlanStateError: if it is.
+    """
+    if hf_checkpointing_on([model]):
+        raise PlanStateError(hf_checkpointing_message(caller))
+
+
+class _WatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
+    """Notes whether a backward ran."""
+
+    def __init__(self, watch: StepWatch) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's __init__ is untyped
+        self.watch = watch
+
+    def __torch_dispatch__(
+        self,
+        func: OpOverload,
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = {} if kwargs is None else kwargs
+        watch = self.watch
+        if current_graph_task_id() != -1:
+            watch.backward = True
+        elif watch.inputs and watch.written is None and not is_recomputing():
+            written = {storage_key(tensor) for tensor in _written(func, args, kwargs)} - {None}
+            if written & watch.inputs[-1][1]:
+                watch.written = (watch.inputs[-1][0], func)
+        return func(*args, **kwargs)
+
+
+def _written(func: OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensor arguments ``func`` writes in place."""
+    schema = op_schema(func)
+    if not schema.is_mutable:
+        return []
+    found: list[torch.Tensor] = []
+    for position, argument in enumerate(schema.arguments):
+        info = argument.alias_info
+        if info is None or not info.is_write:
+            continue
+        value = args[position] if position < len(args) else kwargs.get(argument.name)
+        tensors_in(value, found)
+    return found
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+class StepWatch:
+    """One step, watched: the blocks' order, a backward, a backward that records a graph.
+
+    Args:
+        blocks: the blocks, in the order they are listed.
+        caller: the function named in errors.
+    """
+
+    def __init__(self, blocks: Sequence[nn.Module], caller: str) -> None:
+        self.blocks = list(blocks)
+        self.caller = caller
+        self.order: list[int] = []  # block indices as their forward starts
+        self.backward = False
+        self.graph = False
+        self.inputs: list[tuple[int, set[int | None]]] = []  # blocks running: their inputs
+        self.written: tuple[int, OpOverload] | None = None  # a block that wrote its input
+
+    def run(self, step: Callable[[], object]) -> None:
+        """Call ``step`` (already wrapped as the caller wants it run), watched.
+
+        Raises:
+            PlanStateError: if the step ran no backward, or its backward records a graph.
+        """
+        handles = [
+            hook
+            for index, block in enumerate(self.blocks)
+            for hook in (
+                block.register_forward_pre_hook(self._pre_hook(index), with_kwargs=True),
+                block.register_forward_hook(self._post_hook, always_call=True),
+            )
+        ]
+        try:
+            with _WatchMode(self), saved_tensors_hooks(self._pack, _same):
+                step()
+        except Exception as error:
+            self._check()  # the cause the step's own error may hide
+            if self.written is not None:
+                raise PlanStateError(self._written_message()) from error
+            raise
+        finally:
+            for handle in handles:
+                handle.remove()
+        self._check()
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if current_graph_task_id() != -1 and not is_recomputing():
+            self.graph = True  # see NOTE [What the cost model cannot price]
+        return tensor
+
+    def _pre_hook(self, index: int) -> Callable[..., None]:
+        def note(module: nn.Module, args: object, kwargs: object) -> None:
+            if current_graph_task_id() == -1 and not is_recomputing():
+                self.order.append(index)
+                keys = {storage_key(tensor) for tensor in tensors_in((args, kwargs), [])}
+                self.inputs.append((index, keys))
+
+        return note
+
+    def _post_hook(self, module: nn.Module, args: object, output: object) -> None:
+        if current_graph_task_id() == -1 and not is_recomputing() and self.inputs:
+            self.inputs.pop()
+
+    def _written_message(self) -> str:
+        assert self.written is not None
+        index, func = self.written
+        name = type(self.blocks[index]).__name__
+        return (
+            f"{self.caller}: block {index} ({name}) writes its input in place ({func}); a "
+            "checkpointed block keeps its input to run again in backward, so it must not change "
+            "it. Make that op out of place (x = x * 2 rather than x.mul_(2)), or pass "
+            "blocks=[...] that leave this one out"
+        )
+
+    def _check(self) -> None:
+        if self.graph:
+            raise PlanStateError(
+                f"{self.caller}: the step's backward records a graph (create_graph=True, as a "
+                "gradient penalty's torch.autograd.grad does); the tensors it saves for the "
+                "second backward are not priced by the cost model, so no budget could be kept. "
+                "Plan a step without create_graph, or checkpoint by hand "
+                "(tensorhooks.checkpoint)"
+            )
+        if not self.backward:
+            raise PlanStateError(
+                f"{self.caller}: the step ran no backward; step must run one forward and "
+                "backward the way training does (call loss.backward() in it)"
+            )
+
+    def run_order(self) -> list[int]:
+        """The blocks in the order their forward first started (those that ran)."""
+        return list(dict.fromkeys(self.order))
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+def budget_in_bytes(budget: object, unplanned: int, caller: str) -> int:
+    """``budget`` in bytes: an int, a fraction of ``unplanned`` (a float), or "8GB", "512MiB".
+
+    Raises:
+        PlanArgumentTypeError: if it is of another type.
+        PlanArgumentValueError: if it is not positive, a fraction is above 1, or a string is
+            not a number with a unit.
+    """
+    if isinstance(budget, str):
+        return _parsed(budget, caller)
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise PlanArgumentTypeError(
+            f"{caller}: budget must be an int (bytes), a float (a fraction of the unplanned "
+            f'peak) or a string with units ("8GB", "512MiB"), got {budget!r} of type '
+            f"{type(budget).__name__}"
+        )
+    if isinstance(budget, float):
+        if not 0.0 < budget <= 1.0:
+            raise PlanArgumentValueError(
+                f"{caller}: a float budget is a fraction of the unplanned peak ({unplanned} "
+                f'bytes) and must be in (0, 1], got {budget!r}; pass an int for bytes, or "8GB"'
+            )
+        return int(budget * unplanned)
+    if budget <= 0:
+        raise PlanArgumentValueError(f"{caller}: budget must be positive, got {budget!r} bytes")
+    return budget
+
+
+def _parsed(budget: str, caller: str) -> int:
+    match = _SIZE.fullmatch(budget)
+    unit = None if match is None else _UNITS.get(match[2].lower())
+    if match is None or unit is None or not match[2]:
+        raise PlanArgumentValueError(
+            f"{caller}: budget {budget!r} is not a size; write a number and a unit, such as "
+            f'"8GB", "512MiB" or "1.5GiB" (KB, MB, GB, TB are powers of 1000; KiB, MiB, GiB, '
+            "TiB of 1024; B is bytes)"
+        )
+    value = float(match[1]) * unit
+    if not math.isfinite(value) or value < 1:
+        raise PlanArgumentValueError(
+            f"{caller}: budget must be positive, got {budget!r} ({value:g} bytes)"
+        )
+    return int(value)
