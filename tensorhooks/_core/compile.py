@@ -26,6 +26,18 @@ __all__ = ["not_traced", "warn_compile_skipped"]
 # names the context and says what to do, instead of tracing into the push and breaking the graph
 # at every step of it. The marks are made without importing Dynamo (see `not_traced`).
 #
+# The hooks a context pushes run eagerly too. A graph break runs the rest of the frame eagerly
+# while the compiled function is still on the stack, and Dynamo then offers it every Python
+# frame that starts, pack and unpack hooks called from autograd's C++ included: traced, ours
+# broke the graph at every step (a lock, a weak reference, a version read) and recompiled for
+# every shape saved, up to Dynamo's cache limit: a context around a model counted more breaks
+# and graphs than torch's (torch 2.13, aot_eager). Traced, the version check was also decided
+# at trace time (``t._version``): a saved tensor changed before a backward run inside the
+# compiled function gave a silently wrong gradient, an unchanged one could raise. torch's own
+# hooks live in files Dynamo skips. `torch_compat.push_saved_tensors_hooks`
+# makes every hook function of this package that it pushes skipped by Dynamo, with what it
+# calls (`skip_code_in_dynamo`); a user's hook called from one of ours runs eagerly with it.
+#
 # allow_mutation_on_saved_tensors works through a TorchDispatchMode, and Dynamo skips every
 # frame while a non-infra dispatch mode is active (torch's context included): a compiled
 # function called inside the context runs eagerly. torch says nothing; we warn once per process

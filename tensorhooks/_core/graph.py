@@ -39,16 +39,20 @@ REIMPLEMENTED = frozenset(
 _STATIC = frozenset({"GradientEdge", "Node", "get_gradient_edge", "increment_version"})
 
 # Public names of ``torch.autograd.graph`` that some releases define without listing them in its
-# ``__all__``; re-exported where the installed torch has them.
-_UNLISTED = ("node_creation_hook",)
+# ``__all__``; re-exported where the installed torch has them. ``queue_callback`` became public
+# in torch 2.15 (pytorch#193958, which lists it in ``__all__``); named here too, so that it is
+# re-exported wherever torch has the attribute, whatever its ``__all__`` says. Before 2.15 only
+# the engine's private method exists (`_core.torch_compat.queue_callback`), and tensorhooks has
+# no ``queue_callback`` either, as torch's ``torch.autograd.graph`` has none.
+_UNLISTED = ("node_creation_hook", "queue_callback")
 
 
 def torch_only_names() -> dict[str, object]:
     """The installed torch's other ``torch.autograd.graph.__all__`` names, with their objects.
 
     Those neither reimplemented by tensorhooks nor imported by name above: what this release of
-    torch has beyond the oldest supported one, and the public names it leaves out of its
-    ``__all__`` (``node_creation_hook``).
+    torch has beyond the oldest supported one, and the public names it may leave out of its
+    ``__all__`` (``node_creation_hook``, ``queue_callback``).
     """
     names = set(getattr(_torch_graph, "__all__", ())) - REIMPLEMENTED - _STATIC
     names.update(name for name in _UNLISTED if hasattr(_torch_graph, name))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -202,7 +203,7 @@ def is_newest_node(node: Node) -> bool:
 # --- Saved-tensor hooks -----------------------------------------------------------------------
 
 # The thread's default saved-tensor hook stack. Known on torch 2.4.
-push_saved_tensors_hooks: Callable[[Callable[..., Any], Callable[..., Any]], None] = _required(
+_push_saved_tensors_hooks: Callable[[Callable[..., Any], Callable[..., Any]], None] = _required(
     torch, "_C._autograd._push_saved_tensors_default_hooks", "2.4"
 )
 pop_saved_tensors_hooks: Callable[[], None] = _required(
@@ -333,6 +334,26 @@ _set_code_exec_strategy: Callable[[Any, Any], None] = _required(
 )
 _FrameExecStrategy: Any = _required(torch, "_C._dynamo.eval_frame._FrameExecStrategy", "2.7")
 _FRAME_SKIP: Any = _required(torch, "_C._dynamo.eval_frame._FrameAction.SKIP", "2.7")
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_seen_hook_code: set[Any] = set()
+
+
+def push_saved_tensors_hooks(pack: Callable[..., Any], unpack: Callable[..., Any]) -> None:
+    """Push a pack/unpack pair on the thread's saved-tensor hook stack.
+
+    tensorhooks' own hook functions are made to run eagerly whenever they are called while a
+    compiled function runs (see `skip_code_in_dynamo`), as torch's are: torch's hooks live in
+    files Dynamo skips. See NOTE [Contexts under torch.compile] in `_core/compile.py`.
+    """
+    for hook in (pack, unpack):
+        code = getattr(hook, "__code__", None)
+        if code is not None and code not in _seen_hook_code:
+            _seen_hook_code.add(code)
+            if code.co_filename.startswith(_PACKAGE_DIR):  # a user's function is left alone
+                skip_code_in_dynamo(code)
+    _push_saved_tensors_hooks(pack, unpack)
 
 
 def skip_code_in_dynamo(code: Any) -> None:

@@ -235,7 +235,8 @@ def register_multi_grad_hook(
         A handle whose ``remove()`` unregisters the hook; it pickles like torch's.
 
     Raises:
-        HookArgumentValueError: if ``mode`` is not ``"all"`` or ``"any"`` (a ``ValueError``).
+        HookArgumentValueError: if ``mode`` is not ``"all"`` or ``"any"``, or ``tensors`` is
+            empty, so that ``fn`` would never be called (a ``ValueError``).
         HookArgumentTypeError: if ``tensors`` is a single tensor or holds something that is not
             a tensor, or ``fn`` is not callable (a ``TypeError``).
 
@@ -257,6 +258,7 @@ def register_multi_grad_hook(
             "register_multi_grad_hook: tensors must be a sequence of tensors, got a single "
             "Tensor; wrap it in a list: register_multi_grad_hook([tensor], fn)"
         )
+    given = tensors
     try:
         tensors = tuple(tensors)
     except TypeError as error:  # torch fails later, with this text, on len() or iteration
@@ -264,6 +266,12 @@ def register_multi_grad_hook(
             f"register_multi_grad_hook: tensors must be a sequence of tensors, got {tensors!r} "
             f"of type {type(tensors).__name__} ({error}); pass a list such as [a, b]"
         ) from None
+    if not tensors:  # torch registers nothing and never calls fn, without a word
+        raise HookArgumentValueError(
+            f"register_multi_grad_hook: tensors is empty (got {given!r}), so fn would never be "
+            "called; pass the tensors whose gradients fn waits for, such as "
+            "list(model.parameters()), or do not register a hook for an empty group"
+        )
     for index, tensor in enumerate(tensors):
         if not isinstance(tensor, torch.Tensor):
             raise HookArgumentTypeError(

@@ -166,6 +166,115 @@ def test_entering_contexts_outside_compile_does_not_warn() -> None:
                 (torch.ones(2, requires_grad=True) * 2).sum().backward()
 
 
+# --- a context around a model, inside a compiled function ----------------------------------------
+
+
+def model_step(make: Make, model: torch.nn.Module, backward_inside: bool) -> Callable[..., Any]:
+    """A step that enters the context and runs ``model`` in it; backward inside or after it."""
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        with make():
+            loss = model(x).square().mean()
+            if backward_inside:
+                loss.backward()
+        return loss
+
+    return step
+
+
+def model_counts(make: Make, backward_inside: bool) -> tuple[dict[str, int], list[torch.Tensor]]:
+    """Dynamo's counts for `model_step` compiled with aot_eager, and the parameters' gradients.
+
+    The counts: the ``graph_break`` counter and the ``unique_graphs`` stat of one compiled call,
+    then the breaks and graphs ``torch._dynamo.explain`` reports for the same step.
+    """
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    x = torch.randn(4, 8)
+    step = model_step(make, model, backward_inside)
+    dynamo.reset()
+    counters.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss = torch.compile(step, backend="aot_eager")(x)
+        if not backward_inside:
+            loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        counts = {
+            "graph_break": sum(counters["graph_break"].values()),
+            "unique_graphs": counters["stats"]["unique_graphs"],
+        }
+        dynamo.reset()
+        explanation = dynamo.explain(step)(x)
+    counts["explain_breaks"] = max(explanation.graph_break_count, 0)  # -1: no graph at all
+    counts["explain_graphs"] = explanation.graph_count
+    return counts, grads
+
+
+MODEL_CASES = [
+    (name, theirs, ours, inside)
+    for name, theirs, ours in CONTEXTS
+    for inside in (False, True)
+    # torch's allow_mutation_on_saved_tensors refuses a backward outside it
+    if inside or name != "allow_mutation_on_saved_tensors"
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "theirs", "ours", "backward_inside"),
+    MODEL_CASES,
+    ids=[f"{c[0]}-backward-{'inside' if c[3] else 'after'}" for c in MODEL_CASES],
+)
+def test_context_around_a_model_counts_no_more_than_torch(
+    name: str, theirs: Make, ours: Make, backward_inside: bool
+) -> None:
+    """Around a model in a compiled function: no count above torch's, eager's gradients.
+
+    Graph breaks by Dynamo's counter and by ``explain``, and graphs compiled: a hook of ours
+    traced by Dynamo would add breaks and recompile for every shape saved (see NOTE [Contexts
+    under torch.compile]); run inside the compiled function, backward must not raise either.
+    """
+    our_counts, our_grads = model_counts(ours, backward_inside)
+    their_counts, their_grads = model_counts(theirs, backward_inside)
+    assert our_counts["graph_break"] <= their_counts["graph_break"], (name, our_counts)
+    assert our_counts["unique_graphs"] <= their_counts["unique_graphs"], (name, our_counts)
+    assert our_counts["explain_breaks"] <= their_counts["explain_breaks"], (name, our_counts)
+    assert our_counts["explain_graphs"] <= their_counts["explain_graphs"], (name, our_counts)
+    for mine, torchs in zip(our_grads, their_grads, strict=True):
+        torch.testing.assert_close(mine, torchs)
+
+
+def mutating_step(make: Make) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Changes a saved tensor in place, then runs backward, all inside the compiled function."""
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        a = x.sin()
+        with make():
+            y = (a * a).sum()
+            a.add_(1)
+            y.backward()
+        return y.detach()
+
+    return step
+
+
+def test_change_before_backward_inside_compiled_function_raises() -> None:
+    """A saved tensor changed in place raises inside a compiled function, as in plain autograd.
+
+    Traced by Dynamo, the guard's version check was decided at trace time: this gradient came
+    back silently computed from the changed tensor.
+    """
+    identity = CONTEXTS[0][2]
+    for make in (torch.enable_grad, identity):  # plain autograd, then tensorhooks
+        dynamo.reset()
+        compiled = torch.compile(mutating_step(make), backend="aot_eager")
+        x = torch.randn(5, requires_grad=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                compiled(x)
+
+
 # --- checkpoint ---------------------------------------------------------------------------------
 
 

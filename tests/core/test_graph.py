@@ -57,3 +57,27 @@ def test_unlisted_public_names_are_reexported(monkeypatch: pytest.MonkeyPatch) -
     marker = object()
     monkeypatch.setattr(torch_graph, "node_creation_hook", marker, raising=False)
     assert torch_only_names()["node_creation_hook"] is marker
+
+
+def test_queue_callback_is_torchs_where_torch_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """queue_callback (public from torch 2.15) is torch's object where torch has it, else absent."""
+    from tensorhooks._core.graph import torch_only_names
+
+    if hasattr(torch_graph, "queue_callback"):
+        assert tensorhooks.queue_callback is torch_graph.queue_callback
+        events: list[str] = []
+        x = torch.ones(2, requires_grad=True)
+        y = x * 2
+        y.register_hook(lambda grad: tensorhooks.queue_callback(lambda: events.append("end")))
+        x.register_hook(lambda grad: events.append("leaf"))
+        y.sum().backward()
+        assert events == ["leaf", "end"]  # the callback ran once, after every node of backward
+    else:
+        assert not hasattr(tensorhooks, "queue_callback")
+    # Re-exported whether or not the release lists it in __all__.
+    marker = object()
+    monkeypatch.setattr(torch_graph, "queue_callback", marker, raising=False)
+    monkeypatch.setattr(
+        torch_graph, "__all__", [n for n in torch_graph.__all__ if n != "queue_callback"]
+    )
+    assert torch_only_names()["queue_callback"] is marker

@@ -388,6 +388,21 @@ class TestHandleAndArguments:
         ):
             tensorhooks.register_multi_grad_hook(tensors, print)
 
+    @pytest.mark.parametrize("tensors", [[], (), iter([])], ids=["list", "tuple", "iterator"])
+    @pytest.mark.parametrize("mode", ["all", "any"])
+    def test_empty_tensors_is_refused(self, tensors: Any, mode: Any) -> None:
+        """An empty group, which torch accepts and never fires, is a ValueError saying so."""
+        calls: list[object] = []
+        torch_graph.register_multi_grad_hook([], calls.append, mode=mode)  # accepted by torch
+        with pytest.raises(
+            tensorhooks.HookArgumentValueError,
+            match=r"tensors is empty \(got .*\), so fn would never be called; pass the tensors",
+        ):
+            tensorhooks.register_multi_grad_hook(tensors, calls.append, mode=mode)
+        a = torch.ones(2, requires_grad=True)
+        (a * 2).sum().backward()
+        assert calls == []
+
     def test_non_tensor_in_list(self) -> None:
         """A non-tensor is a TypeError naming its position and type."""
         a = torch.ones(2, requires_grad=True)
