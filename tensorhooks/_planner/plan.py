@@ -323,24 +323,23 @@ class ActivationPlan:
             else f"host link {self.table.bandwidth / 1e9:.1f} GB/s"
         )
         unplanned = profile.unplanned_step_seconds
-        anchors = f"every block recomputed: {profile.checkpointed_step_seconds * 1e3:.2f} ms"
+        anchors = f"every block recomputed {profile.checkpointed_step_seconds * 1e3:.2f} ms"
         if unplanned is not None:
-            anchors += f", unplanned: {unplanned * 1e3:.2f} ms"
+            anchors += f", none {unplanned * 1e3:.2f} ms"
         lines = [
+            f"activation plan on {profile.device}, {link}",
             (
-                f"activation plan on {profile.device}, {link}: budget {mib(self.budget_bytes)} "
-                f"({self.budget_bytes / max(self.unplanned_peak_bytes, 1):.2f} of the unplanned "
-                f"{mib(self.unplanned_peak_bytes)}; least {mib(self.least_peak_bytes)})"
+                f"budget {mib(self.budget_bytes)} ("
+                f"{self.budget_bytes / max(self.unplanned_peak_bytes, 1):.2f} of the unplanned "
+                f"{mib(self.unplanned_peak_bytes)}; least possible {mib(self.least_peak_bytes)})"
             ),
             (
-                f"predicted peak {mib(self.predicted_peak_bytes)}, host "
-                f"{mib(self.predicted_host_bytes)}, step "
-                f"{self.predicted_step_seconds * 1e3:.2f} ms ({anchors})"
+                f"predicted: peak {mib(self.predicted_peak_bytes)}, host "
+                f"{mib(self.predicted_host_bytes)}, step {self.predicted_step_seconds * 1e3:.2f} ms"
             ),
-            *plan_table(self.blocks),
+            f"(step with {anchors})",
+            *plan_table(self.blocks, exact=self.exact),
         ]
-        if not self.exact:
-            lines.append("(some blocks had more policies than searched one by one: grouped)")
         if self.note is not None:
             lines.append(f"note: {self.note}")
         return "\n".join(lines)

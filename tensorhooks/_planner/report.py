@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["BlockPlan", "PlanReport", "mib", "plan_table"]
+__all__ = ["GROUPED", "LEGEND", "BlockPlan", "PlanReport", "mib", "plan_table"]
 
 
 def mib(nbytes: float) -> str:
@@ -67,8 +67,13 @@ class BlockPlan:
         return ", ".join(words)
 
 
-def plan_table(blocks: Sequence[BlockPlan]) -> list[str]:
-    """The per-block lines of a plan: choice, ops run again, MiB held, time change."""
+def plan_table(blocks: Sequence[BlockPlan], *, exact: bool = True) -> list[str]:
+    """The per-block lines of a plan: choice, ops run again, MiB held, time change; a legend.
+
+    Every line the plan adds is at most 80 characters (block names aside), so it reads whole in
+    a terminal and in a log. ``exact`` False adds what a grouped search means (see
+    `tensorhooks._planner.solver`).
+    """
     name_width = max([len("block"), *(len(block.name) for block in blocks)])
     choice_width = max([len("choice"), *(len(block.choice) for block in blocks)])
     header = (
@@ -85,11 +90,24 @@ def plan_table(blocks: Sequence[BlockPlan]) -> list[str]:
             f"{block.seconds * 1e3:>+6.2f} ms"
             for block in blocks
         ),
-        (
-            "again: ops run again in backward; held: MiB on the device from the forward pass to "
-            "the block's backward; in bwd: MiB during it; host: MiB offloaded"
-        ),
+        *LEGEND,
+        *([] if exact else GROUPED),
     ]
+
+
+LEGEND = (
+    "again: ops run again in backward; held: MiB on the device from the forward pass",
+    "to the block's backward; in bwd: MiB during it; host: MiB offloaded;",
+    "time: what the choice adds to the step time against recomputing the whole block",
+    "(predicted; -12.00 ms means 12 ms faster; recompute is +0.00 ms by definition)",
+)
+"""What the columns of `plan_table` mean, lines of at most 80 characters."""
+
+GROUPED = (
+    "some blocks had too many ways to split their ops to compare one by one: they",
+    "were grouped by size. The plan fits the budget; a slightly faster one may exist.",
+)
+"""What a plan whose search grouped some blocks' choices (``plan.exact`` False) says."""
 
 
 @dataclass(frozen=True)

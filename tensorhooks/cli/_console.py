@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from typing import TextIO
 
@@ -18,8 +19,25 @@ def make_console(stream: TextIO | None = None, width: int | None = None) -> Cons
 
 
 @contextlib.contextmanager
-def progress(console: Console, total: int, description: str) -> Iterator[Callable[[str], None]]:
-    """A progress bar over ``total`` steps; yields ``advance(description_of_next_step)``."""
+def progress(
+    console: Console, total: int, description: str, *, lines: bool = False
+) -> Iterator[Callable[[str], None]]:
+    """A progress bar over ``total`` steps; yields ``advance(description_of_next_step)``.
+
+    Where the console is not a terminal (piped, redirected to a log) a bar shows nothing; with
+    ``lines`` each step then prints one line instead: ``[3/11, 25s] CPU round 3``.
+    """
+    if lines and not console.is_terminal:
+        started, done = time.perf_counter(), 0
+
+        def log(next_description: str) -> None:
+            nonlocal done
+            done += 1
+            elapsed = time.perf_counter() - started
+            console.print(f"[{done}/{total}, {elapsed:.0f}s] {next_description}", markup=False)
+
+        yield log
+        return
     columns = (
         TextColumn("{task.description}"),
         BarColumn(bar_width=20),

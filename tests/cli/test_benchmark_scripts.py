@@ -50,6 +50,18 @@ class TestBenchmarkScripts:
             assert re.fullmatch(r"\d+\.\d+ ms \(\d+\.\d+-\d+\.\d+\)", step), step
             assert re.fullmatch(r"\d+\.\d+x \(\d+\.\d+-\d+\.\d+\)", ratio), ratio
 
+    def test_import_time_reads_a_share_of_torchs_import(self) -> None:
+        """import_time.py reads tensorhooks' import as a share of torch's, round by round."""
+        done = self._run("import_time.py", "--rounds", "3")
+        assert done.returncode == 0, done.stderr
+        assert re.search(
+            r"^(target met|TARGET MISSED|target not decidable): import tensorhooks over import "
+            r"torch, per round \d+\.\d\dx \(\d+\.\d\d-\d+\.\d\d\) \(target <= 0\.15\)$",
+            done.stdout,
+            re.M,
+        ), done.stdout
+        assert "torch._dynamo imported by tensorhooks: False" in done.stdout
+
     @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip without CUDA")
     @pytest.mark.parametrize("script", ["offload_gpu.py", "offload_parameters.py"])
     def test_gpu_scripts_say_skipped_without_cuda(self, script: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import subprocess
 import sys
@@ -85,3 +86,17 @@ class TestCommandLine:
         stream = io.StringIO()
         assert main([], stream) == 2
         assert stream.getvalue().startswith("usage: python -m tensorhooks")
+
+
+@pytest.mark.parametrize("command", ["bench", "plan"])
+def test_default_output_stays_out_of_git_status(command: str) -> None:
+    """What a command writes by default goes to a directory the repository's .gitignore lists."""
+    (subparsers,) = (
+        action
+        for action in _main._parser()._actions
+        if isinstance(action, argparse._SubParsersAction)
+    )
+    out = subparsers.choices[command].get_default("out")
+    assert not Path(out).is_absolute()
+    ignored = (ROOT / ".gitignore").read_text().splitlines()
+    assert f"{Path(out).parts[0]}/" in ignored

@@ -20,11 +20,11 @@ from tensorhooks.cli._plan.run import PlanOptions, run_plan
 
 
 def test_plan_command_prints_tables_and_draws_the_chart(tmp_path: Path) -> None:
-    """Each budget's plan table, the summary against the hand choices, and plan.png."""
+    """Each budget's plan, the summary against the hand choices, plan.png; 80 columns fit."""
     stream = io.StringIO()
     started = time.perf_counter()
     status = run_plan(
-        PlanOptions(out=tmp_path, budgets=(0.6, 1.0), rounds=1, steps=1), stream, width=120
+        PlanOptions(out=tmp_path, budgets=(0.6, 1.0), rounds=3, steps=1), stream, width=80
     )
     assert time.perf_counter() - started < 60
     text = stream.getvalue()
@@ -35,6 +35,10 @@ def test_plan_command_prints_tables_and_draws_the_chart(tmp_path: Path) -> None:
     for preset in ("keep", "recompute", "save matmuls"):
         assert preset in text
     assert "offload all" not in text  # no link, no offloading choices
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert "\u2026" not in text  # rich's ellipsis: a cell cut short
+    assert "time: what the choice adds to the step time" in text
+    assert "not the ratio of the medians" in text
     assert (tmp_path / "plan.png").stat().st_size > 0
 
 
@@ -45,6 +49,8 @@ def test_plan_command_with_a_simulated_link(tmp_path: Path) -> None:
     text = stream.getvalue()
     assert "offload inputs" in text
     assert "offload all" in text
+    assert max(len(line) for line in text.splitlines()) <= 80  # with the host column too
+    assert "\u2026" not in text
 
 
 def test_plan_command_refuses_a_bad_bandwidth(capsys: pytest.CaptureFixture[str]) -> None:

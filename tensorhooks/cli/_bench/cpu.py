@@ -10,7 +10,8 @@ with the design's targets.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -25,7 +26,7 @@ from tensorhooks.cli._models import LlamaConfig, NoOpMode, TinyLlama, backward, 
 
 from .results import BenchOptions, Comparison, Target, compare
 
-__all__ = ["ROWS", "run_cpu"]
+__all__ = ["ROWS", "cpu_variants", "round_seconds", "run_cpu"]
 
 
 def _checkpointed_step(
@@ -43,7 +44,8 @@ def _checkpointed_step(
     return step
 
 
-def _cpu_variants() -> dict[str, Callable[[], None]]:
+def cpu_variants() -> dict[str, Callable[[], None]]:
+    """Every variant the CPU part times, by name: what `run_cpu` runs."""
     model = mlp(50)
     batch = torch.randn(8, 64)
 
@@ -144,12 +146,40 @@ ROWS: list[tuple[Any, ...]] = [
 ]  # fmt: skip
 
 
+def round_seconds(variants: Mapping[str, Callable[[], object]], steps: int) -> float:
+    """About how long one interleaved round of ``variants`` takes: a warm call of each, timed.
+
+    A round calls each variant ``steps`` times plus two warm-up calls (``Timer.timeit``), on one
+    intra-op thread; this times one call each after a first, on one thread too.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        total = 0.0
+        for fn in variants.values():
+            fn()
+            started = time.perf_counter()
+            fn()
+            total += time.perf_counter() - started
+    finally:
+        torch.set_num_threads(threads)
+    return total * (steps + 2)
+
+
 def run_cpu(
-    options: BenchOptions, advance: Callable[[int], None] | None = None
+    options: BenchOptions,
+    advance: Callable[[int], None] | None = None,
+    variants: Mapping[str, Callable[[], object]] | None = None,
 ) -> list[Comparison]:
-    """Time every feature on the CPU reference workload, one intra-op thread."""
+    """Time every feature on the CPU reference workload, one intra-op thread.
+
+    ``variants`` are `cpu_variants` (built here unless given).
+    """
     timings = interleaved(
-        _cpu_variants(), rounds=options.rounds, inner=options.steps, progress=advance
+        cpu_variants() if variants is None else variants,
+        rounds=options.rounds,
+        inner=options.steps,
+        progress=advance,
     )
     return [
         compare(timings, mode, theirs, ours, targets, plain=rest[0] if rest else "plain")

@@ -14,10 +14,10 @@ from rich.table import Table
 from tensorhooks.cli._console import format_bytes, make_console, progress
 from tensorhooks.cli._environment import environment
 from tensorhooks.cli._harness import SKIPPED, TARGET_MARKERS
-from tensorhooks.cli._verdict import Spread, TargetVerdict
+from tensorhooks.cli._verdict import MIN_ROUNDS, Side, Spread, TargetVerdict, side
 
 from .chart import write_chart
-from .cpu import run_cpu
+from .cpu import cpu_variants, round_seconds, run_cpu
 from .cuda import run_offload, run_offload_parameters
 from .report import CHART_NAME, MARKDOWN_NAME, markdown
 from .results import (
@@ -29,7 +29,7 @@ from .results import (
     Comparison,
     GpuRow,
 )
-from .sync import run_sync
+from .sync import run_sync, sync_seconds
 
 __all__ = ["run_bench"]
 
@@ -56,15 +56,40 @@ def _target_lines(rows: Sequence[Comparison]) -> list[str]:
 
 
 def _tally_line(report: BenchReport) -> str:
-    """How many targets were met, missed, and not decidable, and what decides the last."""
+    """How many targets were met, missed, and not decidable."""
     tally = report.tally()
-    line = ", ".join(f"{count} {reading.value}" for reading, count in tally.items())
-    if tally[TargetVerdict.NOT_DECIDABLE]:
-        line += (
-            "; a target is decided when every round lies clearly on one side of its bound: "
-            "more --steps per round or a quieter machine narrow the range"
-        )
-    return f"Targets: {line}."
+    return "Targets: " + ", ".join(f"{count} {reading.value}" for reading, count in tally.items())
+
+
+def _decide_line(options: BenchOptions) -> str:
+    """What would decide the targets this run left undecided, in one line.
+
+    See NOTE [Reading a ratio from its rounds]: under `MIN_ROUNDS` rounds nothing is decided;
+    past it, longer rounds or a quieter machine narrow the range, more rounds alone do not.
+    """
+    if options.rounds < MIN_ROUNDS:
+        return f"To decide: at least {MIN_ROUNDS} rounds (--rounds {MIN_ROUNDS} or more)."
+    return (
+        f"To decide: a quieter machine or longer rounds (--steps {2 * options.steps}), "
+        "not more rounds."
+    )
+
+
+_WORD = {Side.BELOW: "faster", Side.ABOVE: "slower", Side.WITHIN_NOISE: "noise"}
+
+
+_COLOUR = {Side.BELOW: "green", Side.ABOVE: "red", Side.WITHIN_NOISE: "yellow"}
+
+
+def _ours_over_torch(spread: Spread | None) -> str:
+    """Ours over torch, with a word by the one rule (see `side`): faster, slower, or noise."""
+    if spread is None:
+        return "-"
+    where = side(spread, 1.0)
+    return (
+        f"{spread.median:.2f}x [{_COLOUR[where]}]{_WORD[where]}[/]\n"
+        f"{spread.low:.2f}-{spread.high:.2f}"
+    )
 
 
 def _cpu_table(rows: Sequence[Comparison]) -> Table:
@@ -72,11 +97,31 @@ def _cpu_table(rows: Sequence[Comparison]) -> Table:
         title="CPU: step time relative to plain autograd (lower is better)", title_justify="left"
     )
     table.add_column("mode")  # the column that wraps on a narrow terminal
-    for title in ("torch", "tensorhooks", "ours/torch"):
+    for title in ("torch", "tensorhooks"):
         table.add_column(title, justify="right", no_wrap=True, min_width=len(title))
+    table.add_column("ours/torch\nper round", justify="right", no_wrap=True, min_width=12)
     for row in rows:
-        table.add_row(row.mode, _cell(row.torch), _cell(row.ours), _cell(row.ours_over_torch))
+        table.add_row(
+            row.mode, _cell(row.torch), _cell(row.ours), _ours_over_torch(row.ours_over_torch)
+        )
     return table
+
+
+CELL_LEGEND = (
+    "Each cell: the median ratio over the rounds, below it the lowest-highest round.",
+    "ours/torch is the median of per-round ratios, not the ratio of the two medians",
+    "beside it; faster or slower when every round lies past 1.00 by 5%, else noise.",
+)
+"""How to read the CPU table, lines of at most 80 characters."""
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
+def _duration(seconds: float) -> str:
+    """A rough duration: ``"40 s"``, ``"3 min"``."""
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
 def _gpu_rich_table(rows: Sequence[GpuRow], title: str, memory: str) -> Table:
@@ -124,8 +169,18 @@ def run_bench(options: BenchOptions, stream: TextIO | None = None, width: int | 
     report = BenchReport(skipped=skipped, environment=environment("cuda" if gpu else "cpu"))
     console.print(f"tensorhooks bench: {report.environment}")
     total = options.rounds * (3 if gpu else 1) + (SYNC not in skipped)
-    with progress(console, total, "CPU rounds") as advance:
-        report.cpu = run_cpu(options, lambda done: advance(f"CPU round {done}"))
+    variants = cpu_variants()
+    cpu_seconds = options.rounds * round_seconds(variants, options.steps)
+    estimate = f"CPU part about {_duration(cpu_seconds)}"
+    if SYNC not in skipped:
+        estimate += f", two processes about {_duration(sync_seconds(options))}"
+    console.print(
+        f"{_count(options.rounds, 'round')} x {_count(options.steps, 'step')}: {estimate}"
+        f"{' (then the CUDA part)' if gpu else ''}; fewer --rounds or --steps is faster.",
+        highlight=False,
+    )
+    with progress(console, total, "CPU rounds", lines=True) as advance:
+        report.cpu = run_cpu(options, lambda done: advance(f"CPU round {done}"), variants)
         if SYNC not in skipped:
             row, report.sync = run_sync(options)
             report.cpu.append(row)
@@ -136,7 +191,8 @@ def run_bench(options: BenchOptions, stream: TextIO | None = None, width: int | 
                 options, advance=lambda done: advance(f"CUDA round {done}")
             )
     console.print(_cpu_table(report.cpu))
-    console.print("Each cell: the median ratio over the rounds, and below it the lowest-highest.")
+    for line in CELL_LEGEND:
+        console.print(line)
     if report.sync:
         console.print(f"sync_gradients vs DDP: {report.sync}; plain = no synchronisation.")
     if report.gpu:
@@ -151,5 +207,7 @@ def run_bench(options: BenchOptions, stream: TextIO | None = None, width: int | 
     for line in _target_lines(report.cpu):
         console.print(line)
     console.print(_tally_line(report))
+    if report.tally()[TargetVerdict.NOT_DECIDABLE]:
+        console.print(_decide_line(options))
     console.print(f"Wrote {options.out / MARKDOWN_NAME} and {options.out / CHART_NAME}.")
     return 0

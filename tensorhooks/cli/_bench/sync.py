@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,7 +25,15 @@ from tensorhooks.cli._two_processes import WORLD_SIZE, run_on_two_processes
 
 from .results import BenchOptions, Comparison, Target, compare
 
-__all__ = ["SYNC_CONFIG", "SyncConfig", "SyncResult", "measure", "run_sync", "run_two_processes"]
+__all__ = [
+    "SYNC_CONFIG",
+    "SyncConfig",
+    "SyncResult",
+    "measure",
+    "run_sync",
+    "run_two_processes",
+    "sync_seconds",
+]
 
 
 @dataclass(frozen=True)
@@ -127,6 +136,30 @@ def run_two_processes(config: SyncConfig) -> SyncResult:
 # Smaller than benchmarks/sync_gradients.py's default (6 x Linear(1024, 1024)): the bench's steps
 # per round apply here too, and the whole bench should take about a minute on two cores.
 SYNC_CONFIG = SyncConfig(layers=4, width=512, batch=32)
+
+
+STARTUP_SECONDS = 10.0
+"""About what starting the two processes and their process group costs, before any round."""
+
+
+def sync_seconds(options: BenchOptions, config: SyncConfig = SYNC_CONFIG) -> float:
+    """About how long `run_sync` takes: a local step of its model, timed here, times the calls.
+
+    Each process runs three variants of ``options.steps`` steps (two warm-up calls each) per
+    round, on its own core; communication is not counted, so this is a lower estimate.
+    """
+    step = _step(mlp(config.layers, config.width), torch.randn(config.batch, config.width))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        step()
+        started = time.perf_counter()
+        step()
+        seconds = time.perf_counter() - started
+    finally:
+        torch.set_num_threads(threads)
+    calls = 3 * (options.steps + 2) * options.rounds + 3 * config.warmup
+    return STARTUP_SECONDS + seconds * calls
 
 
 def run_sync(options: BenchOptions, config: SyncConfig = SYNC_CONFIG) -> tuple[Comparison, str]:

@@ -240,33 +240,63 @@ def write_chart(series: Sequence[tuple[str, Sequence[Measured]]], path: Path, ca
 
 
 def _summary_table(rows: Sequence[Measured], title: str) -> Any:
-    from rich.table import Table  # noqa: PLC0415  # the cli extra
+    """The closing table: fits 80 columns, each figure whole (a cell wraps, never cuts)."""
+    from rich import box  # noqa: PLC0415  # the cli extra
+    from rich.table import Table  # noqa: PLC0415
 
-    table = Table(title=title, title_justify="left")
+    table = Table(
+        title=title,
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        padding=(0, 1),
+    )
     table.add_column("plan", no_wrap=True)
-    for column in (
+    host = any(row.host_bytes or row.plan.predicted_host_bytes for row in rows)
+    columns = [
         "budget\nMiB",
-        "peak MiB\npredicted/measured",
-        "host\nMiB",
-        "step ms\npredicted",
-        "step ms measured\n(min-max)",
-        f"over {BASELINE}\npredicted/measured",
-    ):
-        table.add_column(column, justify="right")
+        "peak MiB\npred/meas",
+        *(["host\nMiB"] if host else []),
+        "step ms\npred",
+        "step ms\nmeasured",
+        f"x {BASELINE}\npred/meas",
+    ]
+    for column in columns:
+        table.add_column(column, justify="right", no_wrap=True)
     baseline = next(row for row in rows if row.name.endswith(BASELINE)).plan
     for row in rows:
         plan = row.plan
         predicted = plan.predicted_step_seconds / baseline.predicted_step_seconds
+        step, ratio = row.step, row.ratio
         table.add_row(
             row.name,
             f"{_mib(plan.budget_bytes):.2f}",
-            f"{_mib(plan.predicted_peak_bytes):.2f} / {_mib(row.peak_bytes):.2f}",
-            f"{_mib(row.host_bytes):.2f}",
+            f"{_mib(plan.predicted_peak_bytes):.2f}/{_mib(row.peak_bytes):.2f}",
+            *([f"{_mib(row.host_bytes):.2f}"] if host else []),
             f"{1e3 * plan.predicted_step_seconds:.1f}",
-            row.step.format("", scale=1e3, digits=1),
-            f"{predicted:.2f}x / {row.ratio.format()}",
+            f"{1e3 * step.median:.1f}\n{1e3 * step.low:.1f}-{1e3 * step.high:.1f}",
+            f"{predicted:.2f}/{ratio.median:.2f}\n{ratio.low:.2f}-{ratio.high:.2f}",
         )
     return table
+
+
+def _notes(rows: Sequence[Measured], rounds: int) -> list[str]:
+    """How to read the closing table, in lines of at most 80 characters."""
+    notes = [
+        f"measured: median step over {rounds} interleaved rounds, and below it the fastest-",
+        f"slowest round. x {BASELINE}: step time over full checkpointing's; the measured",
+        "figure is the median of per-round ratios (not the ratio of the medians), and",
+        "below it the lowest-highest round.",
+    ]
+    matmuls = next((row for row in rows if row.name.endswith("save matmuls")), None)
+    if matmuls is not None and matmuls.ratio.median > 1:
+        notes += [
+            "save matmuls is slower than full recompute here: a selective policy is asked",
+            "about every op, and on a CPU with matmuls this small that per-op dispatch costs",
+            "more than the matmuls it saves. The policy is meant for large matmuls.",
+        ]
+    return notes
 
 
 def run_plan(options: PlanOptions, stream: TextIO | None = None, width: int | None = None) -> int:
@@ -306,10 +336,13 @@ def run_plan(options: PlanOptions, stream: TextIO | None = None, width: int | No
             console.print(str(row.plan), highlight=False, markup=False, soft_wrap=True)
     console.print()
     title = (
-        f"tiny Llama ({config.layers} layers, batch {config.batch} x {config.seq}), one thread: "
-        "saved-activation peak and step time"
+        f"tiny Llama ({config.layers} layers, batch {config.batch} x {config.seq}), one "
+        "thread:\nsaved-activation peak and step time"
     )
     console.print(_summary_table(rows, title))
+    console.print()
+    for line in _notes(rows, options.rounds):
+        console.print(line, highlight=False, markup=False)
     options.out.mkdir(parents=True, exist_ok=True)
     chart = options.out / "plan.png"
     write_chart([("tiny Llama", rows)], chart, f"tensorhooks plan: {environment('cpu')}")

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from tensorhooks.cli._bench.results import BenchOptions
-from tensorhooks.cli._bench.run import run_bench
+from tensorhooks.cli._bench.run import _decide_line, _ours_over_torch, run_bench
 from tensorhooks.cli._main import main
+from tensorhooks.cli._verdict import Spread
 
 TARGET_LINE = "(target met|TARGET MISSED|target not decidable): "
 
@@ -49,7 +50,13 @@ def test_report_chart_and_skipped_gpu(tmp_path: Path) -> None:
     assert re.search(rf"^{TARGET_LINE}checkpoint \(non-reentrant\)", output, re.M)
     # One round says nothing about the noise: no target is met or missed on it.
     assert "TARGET MISSED" not in output
-    assert re.search(r"^Targets: 0 met, 0 missed, 9 not decidable at this noise; ", output, re.M)
+    assert re.search(r"^Targets: 0 met, 0 missed, 9 not decidable at this noise$", output, re.M)
+    assert re.search(r"^To decide: at least 3 rounds \(--rounds 3 or more\)\.$", output, re.M)
+    # Up front: how long; piped: a line per round; the table's word and the ratio's label.
+    assert re.search(r"^1 round x 1 step: CPU part about \d+ s; ", output, re.M)
+    assert re.search(r"^\[1/1, \d+s\] CPU round 1$", output, re.M)
+    assert re.search(r"│ +\d\.\d\dx noise │", output)  # one round: noise, by the one rule
+    assert "not the ratio of the two medians" in output
     for line in (
         "skipped: sync_gradients (--no-processes)",
         "skipped: CUDA save_on_cpu (--no-gpu)",
@@ -68,3 +75,38 @@ def test_gpu_parts_say_no_cuda(tmp_path: Path) -> None:
     assert "skipped: CUDA save_on_cpu (no CUDA device)" in output
     assert "skipped: CUDA offload_parameters (no CUDA device)" in output
     assert (tmp_path / "benchmarks.md").read_text().count("Skipped: no CUDA device.") == 2
+
+
+@pytest.mark.parametrize(
+    ("rounds", "steps", "line"),
+    [
+        (2, 20, "To decide: at least 3 rounds (--rounds 3 or more)."),
+        (
+            11,
+            20,
+            "To decide: a quieter machine or longer rounds (--steps 40), not more rounds.",
+        ),
+    ],
+)
+def test_what_decides_the_undecided_targets(rounds: int, steps: int, line: str) -> None:
+    """Under three rounds, more rounds decide; past it, longer rounds or a quieter machine."""
+    options = BenchOptions(out=Path("unused"), rounds=rounds, steps=steps)
+    assert _decide_line(options) == line
+    assert len(line) <= 80
+
+
+@pytest.mark.parametrize(
+    ("spread", "word"),
+    [
+        (Spread(0.50, 0.55, 0.60, 11), "faster"),
+        (Spread(1.20, 1.30, 1.40, 11), "slower"),
+        (Spread(0.90, 1.00, 1.10, 11), "noise"),
+        (Spread(0.50, 0.55, 0.60, 2), "noise"),
+    ],
+)
+def test_each_row_says_faster_slower_or_noise(spread: Spread, word: str) -> None:
+    """The table's ours/torch cell carries the verdict the chart's colour does, by `side`."""
+    cell = _ours_over_torch(spread)
+    first, second = cell.split("\n")
+    assert re.fullmatch(rf"{spread.median:.2f}x \[\w+\]{word}\[/\]", first)
+    assert second == f"{spread.low:.2f}-{spread.high:.2f}"
