@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -44,6 +45,8 @@ __all__ = [
     "current_graph_task_id",
     "disable_saved_tensors_hooks_with",
     "enable_saved_tensors_hooks",
+    "fsdp_meshes",
+    "fsdp_unsharded_tensors",
     "get_disabled_hooks_message",
     "include_inplace_or_view_key",
     "is_alias_of",
@@ -488,3 +491,60 @@ def post_accumulate_grad_hooks(tensor: torch.Tensor) -> OrderedDict[int, Any] | 
 _POLICY_CONTEXT_TAKES_OUTPUT = _takes(
     torch.utils.checkpoint.SelectiveCheckpointContext, "op_output"
 )
+
+
+# --- FSDP2 (fully_shard) ----------------------------------------------------------------------
+
+
+def _fsdp_param_groups(module: torch.nn.Module) -> list[Any]:
+    """The parameter groups of the FSDP2 state on ``module`` itself, [] if it has none.
+
+    ``FSDPModule._get_fsdp_state()`` and its ``_fsdp_param_groups`` (torch 2.13; earlier
+    releases have one ``_fsdp_param_group`` or None). Known on torch 2.11. A release that moved
+    them leaves FSDP2 models unrecognised: their gathered parameters then count as saved
+    activations, which the planner's tests under torchrun would show.
+    """
+    # No fully_shard has run before its module is imported: never import it here (it is slow).
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None or not isinstance(module, fsdp.FSDPModule):
+        return []
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
+def fsdp_unsharded_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The buffers FSDP2 gathers ``model``'s parameters into, for every ``fully_shard`` in it.
+
+    Each ``FSDPParam``'s ``all_gather_outputs`` (made at the first all-gather, and only resized
+    after: FSDP2 frees them by resizing their storage to 0 and all-gathers into them again),
+    the unsharded parameter viewing them and, with an all-gather extension, its inner tensors.
+    Empty before the first forward, and for a model without ``fully_shard``. Known on 2.11.
+    """
+    found: list[torch.Tensor] = []
+    for module in model.modules():
+        for group in _fsdp_param_groups(module):
+            for param in group.fsdp_params:
+                found.extend(param.all_gather_outputs)
+                found.extend(getattr(param, "_unsharded_inner_tensors", ()))
+                unsharded = getattr(param, "_unsharded_param", None)
+                if unsharded is not None:
+                    found.append(unsharded)
+    return found
+
+
+def fsdp_meshes(model: torch.nn.Module) -> list[Any]:
+    """The distinct device meshes of the ``fully_shard`` calls in ``model``, [] if none.
+
+    ``FSDPParamGroup.mesh_info.mesh``; known on torch 2.11.
+    """
+    meshes: list[Any] = []
+    for module in model.modules():
+        for group in _fsdp_param_groups(module):
+            mesh = group.mesh_info.mesh
+            if all(mesh is not other for other in meshes):
+                meshes.append(mesh)
+    return meshes

@@ -19,6 +19,7 @@ from tensorhooks._core.torch_compat import OpOverload
 
 from .apply import FULL
 from .blocks import resolve_blocks
+from .ranks import agreed
 from .recording import (
     BEFORE,
     BETWEEN,
@@ -333,7 +334,10 @@ def profile_step(
     ``rounds`` interleaved rounds with every block recomputed, with a policy that caches
     nothing (what a policy's dispatch costs), and with no plan (unless ``unplanned=False``). On
     CUDA the pinned host↔device bandwidth is measured once per process. `plan_activations`
-    takes the result, so several budgets can be planned from one profile.
+    takes the result, so several budgets can be planned from one profile. Under FSDP2
+    (``fully_shard``) every rank of the model's mesh must call it: the ranks agree on one
+    profile, each figure its worst case over them, so they all plan alike (see
+    docs/planner.md, "Under FSDP2").
 
     Example:
         >>> import torch, tensorhooks
@@ -393,4 +397,4 @@ def profile_step(
             candidates=candidates(profiled),
         )
     bandwidth = measured_bandwidth(where) if where.type == "cuda" else None
-    return _summary(profiled, recorder, timings, bandwidth, where)
+    return agreed(_summary(profiled, recorder, timings, bandwidth, where), model)

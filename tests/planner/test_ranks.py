@@ -1,0 +1,300 @@
+"""plan_activations under FSDP2: the budget counts activations only, one plan for every rank.
+
+The two-rank tests run this module under torchrun (``python -m tests.planner.test_ranks OUT``
+as each rank): one launch runs every case, and the tests read what each rank wrote.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import zlib
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import tensorhooks as th
+from tensorhooks._planner.accounting import module_keys
+from tensorhooks._planner.ranks import agreed
+
+ROOT = Path(__file__).resolve().parents[2]
+WORLD_SIZE = 2
+TOLERANCE = 1e-9
+FRACTIONS = (0.5, 0.65, 0.8, 1.0)
+
+
+class Block(nn.Module):
+    """A residual MLP block: what FSDP2 shards one ``fully_shard`` at a time."""
+
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+def make_model(hidden: int, blocks: int = 4, width: int = 16) -> nn.Sequential:
+    """The same float64 model on every rank (seeded)."""
+    torch.manual_seed(0)
+    return nn.Sequential(*(Block(width, hidden) for _ in range(blocks))).double()
+
+
+def sharded(model: nn.Module, mesh: Any) -> nn.Module:
+    """``model`` with each block and the root under ``fully_shard``."""
+    for block in model:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def batches(sizes: list[int], width: int = 16) -> list[torch.Tensor]:
+    """One input per rank, of ``sizes[rank]`` rows."""
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randn(size, width, dtype=torch.float64, generator=generator) for size in sizes]
+
+
+def full_grads(model: nn.Module) -> list[torch.Tensor]:
+    """Every parameter's gradient, gathered whole (a collective under FSDP2), then cleared."""
+    grads = []
+    for parameter in model.parameters():
+        grad = parameter.grad
+        assert grad is not None
+        full = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+        grads.append(full.detach().clone())
+        parameter.grad = None
+    return grads
+
+
+# --- one rank of the torchrun launch ---------------------------------------------------------
+
+
+def _case(rank: int, mesh: Any, hidden: int, sizes: list[int], budgets: int) -> dict[str, Any]:
+    """Plan a sharded model at a sweep of budgets; each plan's peak and gradients, on this rank.
+
+    The loss of each rank is its rows' sum scaled by world/rows-in-all, so FSDP2's average over
+    the ranks is the one-process loss over every row, whatever the split.
+    """
+    single = make_model(hidden)
+    model = sharded(make_model(hidden), mesh)
+    inputs = batches(sizes)
+    scale = WORLD_SIZE / sum(sizes)
+    local = inputs[rank]
+
+    def step() -> None:
+        (model(local).square().sum() * scale).backward()
+
+    single(torch.cat(inputs)).square().sum().div(sum(sizes)).backward()
+    reference = full_grads(single)
+    profile = th.profile_step(model, step, blocks=list(model), rounds=1)
+    plans = []
+    least = th.plan_activations(model, step, 1.0, blocks=list(model), profile=profile)
+    for budget in [least.least_peak_bytes, *FRACTIONS][:budgets]:
+        plan = th.plan_activations(model, step, budget, blocks=list(model), profile=profile)
+        with plan:
+            step()
+        grads = full_grads(model)
+        plans.append(
+            {
+                "budget": plan.budget_bytes,
+                "measured": plan.measured_peak_bytes,
+                "predicted": plan.predicted_peak_bytes,
+                "plan": zlib.crc32(str(plan).encode()),
+                "max_diff": max(
+                    float((ours - theirs).abs().max())
+                    for ours, theirs in zip(grads, reference, strict=True)
+                ),
+                "max_grad": max(float(grad.abs().max()) for grad in reference),
+            }
+        )
+    return {"plans": plans, "profile_peak": profile.checkpointed_peak_bytes}
+
+
+def _mismatch(rank: int, mesh: Any) -> dict[str, Any]:
+    """Rank 1 profiles three of the four blocks: every rank refuses to plan."""
+    model = sharded(make_model(32), mesh)
+    local = batches([6, 6])[rank]
+    blocks = list(model)[: 4 - rank]
+    try:
+        th.profile_step(model, lambda: model(local).sum().backward(), blocks=blocks, rounds=1)
+    except th.PlanStateError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
+def run_rank(out_dir: str) -> None:
+    """One rank of the torchrun launch: every case, written to ``out_dir/rank{N}.json``."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    try:
+        results = {
+            # hidden 48 splits evenly; 47 leaves rank 1 a smaller shard of every up-projection,
+            # and the ranks' inputs differ in length too.
+            "even": _case(rank, mesh, 48, [8, 8], budgets=5),
+            "uneven": _case(rank, mesh, 47, [9, 5], budgets=5),
+            "mismatch": _mismatch(rank, mesh),
+        }
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    sys.stdout.flush()
+    os._exit(0)  # torch 2.13's gloo threads can abort the interpreter's shutdown
+
+
+def torchrun(module: str, out_dir: Path) -> list[dict[str, Any]]:
+    """Run ``python -m module OUT_DIR`` as two gloo ranks under torchrun; each rank's results."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={WORLD_SIZE}",
+            "-m",
+            module,
+            str(out_dir),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return [json.loads(Path(out_dir, f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Every case, run once by two gloo ranks under torchrun."""
+    return torchrun("tests.planner.test_ranks", tmp_path_factory.mktemp("ranks"))
+
+
+@pytest.mark.slow
+class TestTwoRanks:
+    """Two gloo ranks, each block and the root under fully_shard, against one process."""
+
+    @pytest.mark.parametrize("case", ["even", "uneven"])
+    def test_measured_peak_within_budget_on_every_rank(
+        self, two_ranks: list[dict[str, Any]], case: str
+    ) -> None:
+        """At every budget of the sweep (the least peak included) each rank holds <= budget."""
+        for rank in two_ranks:
+            plans = rank[case]["plans"]
+            assert len(plans) == 5
+            for plan in plans:
+                assert 0 < plan["measured"] <= plan["budget"], plan
+
+    @pytest.mark.parametrize("case", ["even", "uneven"])
+    def test_gradients_equal_one_process(self, two_ranks: list[dict[str, Any]], case: str) -> None:
+        """Every plan's gradients, gathered whole, equal one process's on all rows to 1e-9."""
+        for rank in two_ranks:
+            for plan in rank[case]["plans"]:
+                assert plan["max_grad"] > 0
+                assert plan["max_diff"] <= TOLERANCE, plan
+
+    @pytest.mark.parametrize("case", ["even", "uneven"])
+    def test_every_rank_gets_the_same_plan(
+        self, two_ranks: list[dict[str, Any]], case: str
+    ) -> None:
+        """The ranks agree on one profile, so each budget gives one plan and one prediction."""
+        first, second = (rank[case] for rank in two_ranks)
+        assert first["profile_peak"] == second["profile_peak"]
+        for ours, theirs in zip(first["plans"], second["plans"], strict=True):
+            assert (ours["plan"], ours["budget"], ours["predicted"]) == (
+                theirs["plan"],
+                theirs["budget"],
+                theirs["predicted"],
+            )
+
+    def test_uneven_inputs_plan_for_the_larger(self, two_ranks: list[dict[str, Any]]) -> None:
+        """The rank with fewer rows holds less than the agreed prediction; the larger meets it."""
+        smaller, larger = (rank["uneven"]["plans"][-1] for rank in reversed(two_ranks))
+        assert smaller["measured"] < larger["measured"] <= larger["predicted"]
+
+    def test_ranks_profiling_other_blocks_raise(self, two_ranks: list[dict[str, Any]]) -> None:
+        """Profiles of another structure on some rank: every rank raises, none plans alone."""
+        for rank in two_ranks:
+            error = rank["mismatch"]["error"]
+            assert error is not None
+            assert "another structure" in error
+
+
+# --- one process: a gloo group of one rank ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mesh_of_one(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A gloo process group of one rank, and its device mesh."""
+    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def _workload(mesh: Any) -> tuple[nn.Module, Callable[[], None]]:
+    model = sharded(make_model(48), mesh)
+    (x,) = batches([8])
+
+    def step() -> None:
+        model(x).square().sum().backward()
+
+    return model, step
+
+
+def test_profile_without_fully_shard_is_unchanged() -> None:
+    """With no fully_shard in the model, agreeing is a no-op returning the profile itself."""
+    model = make_model(8, blocks=2)
+    x = torch.randn(4, 16, dtype=torch.float64)
+    profile = th.profile_step(model, lambda: model(x).sum().backward(), rounds=1)
+    assert agreed(profile, model) is profile
+
+
+def test_gathered_parameters_are_not_activations(mesh_of_one: Any) -> None:
+    """After a forward, the buffers FSDP2 gathers parameters into count as the model's."""
+    model, step = _workload(mesh_of_one)
+    before = module_keys(model)
+    step()
+    after = module_keys(model)
+    gathered = after - before
+    # One buffer per parameter (weight and bias of two linears in each of four blocks).
+    assert len(gathered) == 16
+    weight = model[0].up.weight
+    model[0].unshard()
+    assert weight is not model[0].up.weight  # the unsharded parameter is registered now
+    assert model[0].up.weight.untyped_storage()._cdata in gathered
+    model[0].reshard()
+
+
+def test_plans_within_budget_on_one_rank(mesh_of_one: Any) -> None:
+    """On a mesh of one, the measured peak stays within every budget of the sweep."""
+    model, step = _workload(mesh_of_one)
+    profile = th.profile_step(model, step, rounds=1)
+    assert agreed(profile, model) == profile  # the worst case over one rank is its own
+    for budget in FRACTIONS:
+        plan = th.plan_activations(model, step, budget, profile=profile)
+        with plan:
+            step()
+        assert plan.measured_peak_bytes is not None
+        assert plan.measured_peak_bytes <= plan.budget_bytes
+
+
+if __name__ == "__main__":
+    run_rank(sys.argv[1])
