@@ -16,7 +16,7 @@ from torch import nn
 from tensorhooks._core.errors import PlanStateError
 from tensorhooks._core.torch_compat import fsdp_meshes
 
-__all__ = ["agreed"]
+__all__ = ["agreed", "figures"]
 
 # NOTE [Plans under FSDP2]
 #
@@ -39,12 +39,15 @@ __all__ = ["agreed"]
 # faster only waits at the next collective), and because every rank then runs the same
 # recomputations: what runs inside a block (a collective of tensor parallelism, say) stays in
 # step across ranks. The profile's structure (blocks, ops, which outputs a policy may cache) must
-# be the same on every rank: it is compared first, and a difference raises.
+# be the same on every rank: it is compared first, and a difference raises. The device stays each
+# rank's own.
 
 _Profile = TypeVar("_Profile")
 
 # Figures where less is the worse case: the host link's bandwidth.
 _SLOWEST = frozenset({"bandwidth"})
+# Fields each rank keeps as its own: the device ("cuda:0" on one rank, "cuda:1" on the next).
+_OWN = frozenset({"device"})
 
 
 def _walk(value: Any, name: str, numbers: list[float], shape: list[str]) -> None:
@@ -57,7 +60,8 @@ def _walk(value: Any, name: str, numbers: list[float], shape: list[str]) -> None
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         shape.append(type(value).__name__)
         for field in dataclasses.fields(value):
-            _walk(getattr(value, field.name), field.name, numbers, shape)
+            if field.name not in _OWN:
+                _walk(getattr(value, field.name), field.name, numbers, shape)
     elif isinstance(value, tuple):
         shape.append(f"({len(value)}")
         for item in value:
@@ -65,6 +69,14 @@ def _walk(value: Any, name: str, numbers: list[float], shape: list[str]) -> None
         shape.append(")")
     else:  # an operator
         shape.append(str(value))
+
+
+def figures(profile: object) -> tuple[list[float], float]:
+    """The figures the ranks agree on, and a signature of the rest (equal on every rank)."""
+    numbers: list[float] = []
+    shape: list[str] = []
+    _walk(profile, "", numbers, shape)
+    return numbers, float(zlib.crc32(" ".join(shape).encode()))
 
 
 def _rebuilt(value: Any, name: str, numbers: Iterator[float]) -> Any:
@@ -79,6 +91,7 @@ def _rebuilt(value: Any, name: str, numbers: Iterator[float]) -> Any:
         changes = {
             field.name: _rebuilt(getattr(value, field.name), field.name, numbers)
             for field in dataclasses.fields(value)
+            if field.name not in _OWN
         }
         return dataclasses.replace(value, **changes)
     if isinstance(value, tuple):
@@ -116,10 +129,7 @@ def agreed(profile: _Profile, model: nn.Module) -> _Profile:
     groups = _groups(model)
     if not groups:
         return profile
-    numbers: list[float] = []
-    shape: list[str] = []
-    _walk(profile, "", numbers, shape)
-    signature = float(zlib.crc32(" ".join(shape).encode()))
+    numbers, signature = figures(profile)
     check = _all_max(torch.tensor([signature, -signature], dtype=torch.float64), groups)
     if check[0].item() != signature or -check[1].item() != signature:
         raise PlanStateError(

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import zlib
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -22,11 +23,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import tensorhooks as th
 from tensorhooks._planner.accounting import module_keys
-from tensorhooks._planner.ranks import agreed
+from tensorhooks._planner.ranks import agreed, figures
 
 ROOT = Path(__file__).resolve().parents[2]
 WORLD_SIZE = 2
@@ -52,11 +53,11 @@ def make_model(hidden: int, blocks: int = 4, width: int = 16) -> nn.Sequential:
     return nn.Sequential(*(Block(width, hidden) for _ in range(blocks))).double()
 
 
-def sharded(model: nn.Module, mesh: Any) -> nn.Module:
-    """``model`` with each block and the root under ``fully_shard``."""
+def sharded(model: nn.Module, mesh: Any, **options: Any) -> nn.Module:
+    """``model`` with each block and the root under ``fully_shard(..., **options)``."""
     for block in model:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, **options)
+    fully_shard(model, mesh=mesh, **options)
     return model
 
 
@@ -249,8 +250,8 @@ def mesh_of_one(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     dist.destroy_process_group()
 
 
-def _workload(mesh: Any) -> tuple[nn.Module, Callable[[], None]]:
-    model = sharded(make_model(48), mesh)
+def _workload(mesh: Any, **options: Any) -> tuple[nn.Module, Callable[[], None]]:
+    model = sharded(make_model(48), mesh, **options)
     (x,) = batches([8])
 
     def step() -> None:
@@ -265,6 +266,19 @@ def test_profile_without_fully_shard_is_unchanged() -> None:
     x = torch.randn(4, 16, dtype=torch.float64)
     profile = th.profile_step(model, lambda: model(x).sum().backward(), rounds=1)
     assert agreed(profile, model) is profile
+
+
+def test_signature_is_the_structure_not_the_device() -> None:
+    """Ranks on cuda:0 and cuda:1 agree; a profile of other blocks does not."""
+    model = make_model(8, blocks=2)
+    x = torch.randn(4, 16, dtype=torch.float64)
+    profile = th.profile_step(model, lambda: model(x).sum().backward(), rounds=1)
+    numbers, signature = figures(profile)
+    other_device = figures(replace(profile, device="cuda:1"))
+    assert other_device == (numbers, signature)
+    assert figures(replace(profile, blocks=profile.blocks[:1]))[1] != signature
+    slower = replace(profile, checkpointed_step_seconds=profile.checkpointed_step_seconds * 2)
+    assert figures(slower)[1] == signature  # a figure is agreed on, not compared
 
 
 def test_gathered_parameters_are_not_activations(mesh_of_one: Any) -> None:
@@ -283,9 +297,18 @@ def test_gathered_parameters_are_not_activations(mesh_of_one: Any) -> None:
     model[0].reshard()
 
 
-def test_plans_within_budget_on_one_rank(mesh_of_one: Any) -> None:
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"reshard_after_forward": False},
+        {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32)},
+    ],
+    ids=["default", "kept-unsharded", "float32-params"],
+)
+def test_plans_within_budget_on_one_rank(mesh_of_one: Any, options: dict[str, Any]) -> None:
     """On a mesh of one, the measured peak stays within every budget of the sweep."""
-    model, step = _workload(mesh_of_one)
+    model, step = _workload(mesh_of_one, **options)
     profile = th.profile_step(model, step, rounds=1)
     assert agreed(profile, model) == profile  # the worst case over one rank is its own
     for budget in FRACTIONS:
