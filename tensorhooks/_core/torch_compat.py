@@ -499,10 +499,10 @@ _POLICY_CONTEXT_TAKES_OUTPUT = _takes(
 def _fsdp_param_groups(module: torch.nn.Module) -> list[Any]:
     """The parameter groups of the FSDP2 state on ``module`` itself, [] if it has none.
 
-    ``FSDPModule._get_fsdp_state()`` and its ``_fsdp_param_groups`` (torch 2.13; earlier
-    releases have one ``_fsdp_param_group`` or None). Known on torch 2.11. A release that moved
-    them leaves FSDP2 models unrecognised: their gathered parameters then count as saved
-    activations, which the planner's tests under torchrun would show.
+    ``FSDPModule._get_fsdp_state()`` and its ``_fsdp_param_groups`` (torch 2.13; a release with
+    one ``_fsdp_param_group`` or None is read through that). Checked on torch 2.13, the pinned
+    release. A release that moved them leaves FSDP2 models unrecognised: their gathered
+    parameters then count as saved activations, which the planner's FSDP2 tests would show.
     """
     # No fully_shard has run before its module is imported: never import it here (it is slow).
     fsdp = sys.modules.get("torch.distributed.fsdp")
@@ -522,7 +522,7 @@ def fsdp_unsharded_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     Each ``FSDPParam``'s ``all_gather_outputs`` (made at the first all-gather, and only resized
     after: FSDP2 frees them by resizing their storage to 0 and all-gathers into them again),
     the unsharded parameter viewing them and, with an all-gather extension, its inner tensors.
-    Empty before the first forward, and for a model without ``fully_shard``. Known on 2.11.
+    Empty before the first forward, and for a model without ``fully_shard``. Checked on 2.13.
     """
     found: list[torch.Tensor] = []
     for module in model.modules():
@@ -539,7 +539,7 @@ def fsdp_unsharded_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
 def fsdp_meshes(model: torch.nn.Module) -> list[Any]:
     """The distinct device meshes of the ``fully_shard`` calls in ``model``, [] if none.
 
-    ``FSDPParamGroup.mesh_info.mesh``; known on torch 2.11.
+    ``FSDPParamGroup.mesh_info.mesh``; checked on torch 2.13.
     """
     meshes: list[Any] = []
     for module in model.modules():
