@@ -141,8 +141,8 @@ def under_torch(blocks: list[nn.Module], step: Callable[[], None]) -> Callable[[
 def build(size: Size, device: str, dtype: torch.dtype) -> tuple[nn.Module, Callable[[], None]]:
     """The sharded stack on this rank and its step (same weights everywhere, own rows)."""
     torch.manual_seed(0)
-    model = nn.Sequential(*(Block(size.width, size.hidden) for _ in range(size.blocks)))
-    model = model.to(device)
+    with torch.device(device):  # a GPU initialises 4 GiB of weights in a blink, a CPU does not
+        model = nn.Sequential(*(Block(size.width, size.hidden) for _ in range(size.blocks)))
     mesh = init_device_mesh(device, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for block in model:
@@ -249,10 +249,8 @@ def launch(options: argparse.Namespace) -> None:
     if ranks < 1:
         print("skipped: no CUDA device")
         raise SystemExit(0)
-    environment = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")]),
-    }
+    paths = [str(ROOT), os.environ.get("PYTHONPATH", "")]
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in paths if path)}
     if not options.gpu:
         environment["OMP_NUM_THREADS"] = "1"
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
