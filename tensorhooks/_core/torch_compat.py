@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -44,6 +45,8 @@ __all__ = [
     "current_graph_task_id",
     "disable_saved_tensors_hooks_with",
     "enable_saved_tensors_hooks",
+    "fsdp2_modules",
+    "fsdp2_sharded_parameters",
     "get_disabled_hooks_message",
     "include_inplace_or_view_key",
     "is_alias_of",
@@ -488,3 +491,48 @@ def post_accumulate_grad_hooks(tensor: torch.Tensor) -> OrderedDict[int, Any] | 
 _POLICY_CONTEXT_TAKES_OUTPUT = _takes(
     torch.utils.checkpoint.SelectiveCheckpointContext, "op_output"
 )
+
+
+# --- FSDP2 (fully_shard) -------------------------------------------------------------------------
+
+# Where FSDP2 lives; not imported by tensorhooks: a model can be sharded only once it was.
+_FSDP2_MODULE = "torch.distributed.fsdp._fully_shard._fully_shard"
+
+
+def fsdp2_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """``module`` and its submodules that ``fully_shard`` was applied to; [] without FSDP2.
+
+    ``FSDPModule`` is public since torch 2.6; FSDP2 is not imported for the question.
+    """
+    if _FSDP2_MODULE not in sys.modules:
+        return []
+    from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415 (imported once FSDP2 was)
+
+    return [sub for sub in module.modules() if isinstance(sub, FSDPModule)]
+
+
+def fsdp2_sharded_parameters() -> dict[int, torch.Tensor]:
+    """The sharded parameters of every live ``fully_shard`` module, by id; {} without FSDP2.
+
+    FSDP2 never gives these an autograd gradient: it sets ``.grad`` after its reduce-scatter and
+    then runs their post-accumulate-grad hooks. Read from torch's registry of composable states
+    (``torch.distributed._composable_state._module_state_mapping``, a weak dict) and FSDP2's
+    private state (``_fsdp_param_group.fsdp_params[i].sharded_param``), known on torch 2.6 to
+    2.15; where they are missing nothing is found.
+    """
+    if _FSDP2_MODULE not in sys.modules:
+        return {}
+    from torch.distributed import _composable_state  # noqa: PLC0415 (as above)
+    from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415 (imported once FSDP2 was)
+
+    found: dict[int, torch.Tensor] = {}
+    mapping = getattr(_composable_state, "_module_state_mapping", {})
+    for module, state_ref in list(mapping.items()):
+        if not isinstance(module, FSDPModule):
+            continue
+        group = getattr(state_ref(), "_fsdp_param_group", None)
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            param = getattr(fsdp_param, "sharded_param", None)
+            if isinstance(param, torch.Tensor):
+                found[id(param)] = param
+    return found
