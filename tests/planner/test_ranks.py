@@ -1,21 +1,15 @@
 """plan_activations under FSDP2: the budget counts activations only, one plan for every rank.
 
-The two-rank tests run this module under torchrun (``python -m tests.planner.test_ranks OUT``
-as each rank): one launch runs every case, and the tests read what each rank wrote.
+The two-rank tests run this module under torchrun (`tests.distributed.torchrun.launch`, this
+module as each rank): one launch runs every case, and the tests read what each rank reported.
 """
 
 from __future__ import annotations
 
 import gc
-import json
-import os
-import subprocess
-import sys
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,9 +22,15 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import tensorhooks as th
 from tensorhooks._planner.accounting import module_keys
 from tensorhooks._planner.ranks import agreed, figures
+from tests.distributed.torchrun import (
+    WORLD_SIZE,
+    cpu_mesh,
+    full_grads,
+    launch,
+    max_difference,
+    run_rank,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
-WORLD_SIZE = 2
 TOLERANCE = 1e-9
 FRACTIONS = (0.5, 0.65, 0.8, 1.0)
 
@@ -67,15 +67,10 @@ def batches(sizes: list[int], width: int = 16) -> list[torch.Tensor]:
     return [torch.randn(size, width, dtype=torch.float64, generator=generator) for size in sizes]
 
 
-def full_grads(model: nn.Module) -> list[torch.Tensor]:
-    """Every parameter's gradient, gathered whole (a collective under FSDP2), then cleared."""
-    grads = []
-    for parameter in model.parameters():
-        grad = parameter.grad
-        assert grad is not None
-        full = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
-        grads.append(full.detach().clone())
-        parameter.grad = None
+def taken_grads(model: nn.Module) -> list[torch.Tensor | None]:
+    """Every parameter's gradient, whole (gathered under FSDP2, a collective), then cleared."""
+    grads = full_grads(model)
+    model.zero_grad(set_to_none=True)
     return grads
 
 
@@ -98,7 +93,7 @@ def _case(rank: int, mesh: Any, hidden: int, sizes: list[int], budgets: int) -> 
         (model(local).square().sum() * scale).backward()
 
     single(torch.cat(inputs)).square().sum().div(sum(sizes)).backward()
-    reference = full_grads(single)
+    reference = taken_grads(single)
     profile = th.profile_step(model, step, blocks=list(model), rounds=1)
     plans = []
     least = th.plan_activations(model, step, 1.0, blocks=list(model), profile=profile)
@@ -106,18 +101,16 @@ def _case(rank: int, mesh: Any, hidden: int, sizes: list[int], budgets: int) -> 
         plan = th.plan_activations(model, step, budget, blocks=list(model), profile=profile)
         with plan:
             step()
-        grads = full_grads(model)
+        max_diff, none_mismatch, max_grad = max_difference(taken_grads(model), reference)
         plans.append(
             {
                 "budget": plan.budget_bytes,
                 "measured": plan.measured_peak_bytes,
                 "predicted": plan.predicted_peak_bytes,
                 "plan": zlib.crc32(str(plan).encode()),
-                "max_diff": max(
-                    float((ours - theirs).abs().max())
-                    for ours, theirs in zip(grads, reference, strict=True)
-                ),
-                "max_grad": max(float(grad.abs().max()) for grad in reference),
+                "max_diff": max_diff,
+                "none_mismatch": none_mismatch,
+                "max_grad": max_grad,
             }
         )
     return {"plans": plans, "profile_peak": profile.checkpointed_peak_bytes}
@@ -135,56 +128,23 @@ def _mismatch(rank: int, mesh: Any) -> dict[str, Any]:
     return {"error": None}
 
 
-def run_rank(out_dir: str) -> None:
-    """One rank of the torchrun launch: every case, written to ``out_dir/rank{N}.json``."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
-    try:
-        results = {
-            # hidden 48 splits evenly; 47 leaves rank 1 a smaller shard of every up-projection,
-            # and the ranks' inputs differ in length too.
-            "even": _case(rank, mesh, 48, [8, 8], budgets=5),
-            "uneven": _case(rank, mesh, 47, [9, 5], budgets=5),
-            "mismatch": _mismatch(rank, mesh),
-        }
-    finally:
-        gc.collect()
-        dist.destroy_process_group()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-    sys.stdout.flush()
-    os._exit(0)  # torch 2.13's gloo threads can abort the interpreter's shutdown
-
-
-def torchrun(module: str, out_dir: Path) -> list[dict[str, Any]]:
-    """Run ``python -m module OUT_DIR`` as two gloo ranks under torchrun; each rank's results."""
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={WORLD_SIZE}",
-            "-m",
-            module,
-            str(out_dir),
-        ],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return [json.loads(Path(out_dir, f"rank{rank}.json").read_text()) for rank in range(2)]
+def cases(rank: int, world: int) -> dict[str, Any]:
+    """One rank of the torchrun launch: every case."""
+    assert world == WORLD_SIZE
+    mesh = cpu_mesh()
+    return {
+        # hidden 48 splits evenly; 47 leaves rank 1 a smaller shard of every up-projection, and
+        # the ranks' inputs differ in length too.
+        "even": _case(rank, mesh, 48, [8, 8], budgets=5),
+        "uneven": _case(rank, mesh, 47, [9, 5], budgets=5),
+        "mismatch": _mismatch(rank, mesh),
+    }
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Every case, run once by two gloo ranks under torchrun."""
-    return torchrun("tests.planner.test_ranks", tmp_path_factory.mktemp("ranks"))
+    return launch("tests.planner.test_ranks", tmp_path_factory.mktemp("ranks"))
 
 
 @pytest.mark.slow
@@ -208,6 +168,7 @@ class TestTwoRanks:
         for rank in two_ranks:
             for plan in rank[case]["plans"]:
                 assert plan["max_grad"] > 0
+                assert plan["none_mismatch"] == 0
                 assert plan["max_diff"] <= TOLERANCE, plan
 
     @pytest.mark.parametrize("case", ["even", "uneven"])
@@ -320,4 +281,4 @@ def test_plans_within_budget_on_one_rank(mesh_of_one: Any, options: dict[str, An
 
 
 if __name__ == "__main__":
-    run_rank(sys.argv[1])
+    run_rank(cases)
