@@ -25,8 +25,10 @@ CHECKED = re.compile(
 )  # check_target's
 
 
-def parse_output(text: str) -> tuple[list[tuple[str, list[str], list[list[str]]]], list[Target]]:
-    """The Markdown tables and the target lines of a benchmark script's output.
+def parse_output(
+    text: str, *, part: str = PART
+) -> tuple[list[tuple[str, list[str], list[list[str]]]], list[Target]]:
+    """The Markdown tables and the target lines of a benchmark script's output (for ``part``).
 
     Example:
         >>> tables, targets = parse_output(
@@ -57,9 +59,9 @@ def parse_output(text: str) -> tuple[list[tuple[str, list[str], list[list[str]]]
             checked = CHECKED.match(match.group(2))
             if checked:
                 name, shown, bound = checked.group("label", "value", "bound")
-                targets.append(Target(PART, name, shown, bound, met))
+                targets.append(Target(part, name, shown, bound, met))
             else:
-                targets.append(Target(PART, match.group(2), "", "", met))
+                targets.append(Target(part, match.group(2), "", "", met))
         elif stripped:
             title = stripped
     return tables, targets

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -45,6 +46,10 @@ __all__ = [
     "current_graph_task_id",
     "disable_saved_tensors_hooks_with",
     "enable_saved_tensors_hooks",
+    "fsdp2_modules",
+    "fsdp2_sharded_parameters",
+    "fsdp_meshes",
+    "fsdp_unsharded_tensors",
     "get_disabled_hooks_message",
     "include_inplace_or_view_key",
     "is_alias_of",
@@ -509,3 +514,99 @@ def post_accumulate_grad_hooks(tensor: torch.Tensor) -> OrderedDict[int, Any] | 
 _POLICY_CONTEXT_TAKES_OUTPUT = _takes(
     torch.utils.checkpoint.SelectiveCheckpointContext, "op_output"
 )
+
+
+# --- FSDP2 (fully_shard) -------------------------------------------------------------------------
+
+# Where FSDP2 lives; not imported by tensorhooks: a model can be sharded only once it was.
+_FSDP2_MODULE = "torch.distributed.fsdp._fully_shard._fully_shard"
+
+
+def fsdp2_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """``module`` and its submodules that ``fully_shard`` was applied to; [] without FSDP2.
+
+    ``FSDPModule`` is public since torch 2.6; FSDP2 is not imported for the question.
+    """
+    if _FSDP2_MODULE not in sys.modules:
+        return []
+    from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415 (imported once FSDP2 was)
+
+    return [sub for sub in module.modules() if isinstance(sub, FSDPModule)]
+
+
+def fsdp2_sharded_parameters() -> dict[int, torch.Tensor]:
+    """The sharded parameters of every live ``fully_shard`` module, by id; {} without FSDP2.
+
+    FSDP2 never gives these an autograd gradient: it sets ``.grad`` after its reduce-scatter and
+    then runs their post-accumulate-grad hooks. Read from torch's registry of composable states
+    (``torch.distributed._composable_state._module_state_mapping``, a weak dict) and FSDP2's
+    private state (``_fsdp_param_group.fsdp_params[i].sharded_param``), known on torch 2.6 to
+    2.15; where they are missing nothing is found.
+    """
+    if _FSDP2_MODULE not in sys.modules:
+        return {}
+    from torch.distributed import _composable_state  # noqa: PLC0415 (as above)
+    from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415 (imported once FSDP2 was)
+
+    found: dict[int, torch.Tensor] = {}
+    mapping = getattr(_composable_state, "_module_state_mapping", {})
+    for module, state_ref in list(mapping.items()):
+        if not isinstance(module, FSDPModule):
+            continue
+        group = getattr(state_ref(), "_fsdp_param_group", None)
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            param = getattr(fsdp_param, "sharded_param", None)
+            if isinstance(param, torch.Tensor):
+                found[id(param)] = param
+    return found
+
+
+def _fsdp_param_groups(model: torch.nn.Module) -> list[Any]:
+    """The parameter groups of every ``fully_shard`` in ``model``, [] without FSDP2.
+
+    ``FSDPModule._get_fsdp_state()`` and its ``_fsdp_param_groups`` (torch 2.13; a release with
+    one ``_fsdp_param_group`` or None is read through that). Checked on torch 2.13, the pinned
+    release. A release that moved them leaves FSDP2 models unrecognised: their gathered
+    parameters then count as saved activations, which the planner's FSDP2 tests would show.
+    """
+    found: list[Any] = []
+    for module in fsdp2_modules(model):
+        state = module._get_fsdp_state()  # type: ignore[operator]  # an FSDPModule's method
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [] if group is None else [group]
+        found.extend(groups)
+    return found
+
+
+def fsdp_unsharded_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The buffers FSDP2 gathers ``model``'s parameters into, for every ``fully_shard`` in it.
+
+    Each ``FSDPParam``'s ``all_gather_outputs`` (made at the first all-gather, and only resized
+    after: FSDP2 frees them by resizing their storage to 0 and all-gathers into them again),
+    the unsharded parameter viewing them and, with an all-gather extension, its inner tensors.
+    Empty before the first forward, and for a model without ``fully_shard``. Checked on 2.13.
+    """
+    found: list[torch.Tensor] = []
+    for group in _fsdp_param_groups(model):
+        for param in group.fsdp_params:
+            found.extend(param.all_gather_outputs)
+            found.extend(getattr(param, "_unsharded_inner_tensors", ()))
+            unsharded = getattr(param, "_unsharded_param", None)
+            if unsharded is not None:
+                found.append(unsharded)
+    return found
+
+
+def fsdp_meshes(model: torch.nn.Module) -> list[Any]:
+    """The distinct device meshes of the ``fully_shard`` calls in ``model``, [] if none.
+
+    ``FSDPParamGroup.mesh_info.mesh``; checked on torch 2.13.
+    """
+    meshes: list[Any] = []
+    for group in _fsdp_param_groups(model):
+        mesh = group.mesh_info.mesh
+        if all(mesh is not other for other in meshes):
+            meshes.append(mesh)
+    return meshes

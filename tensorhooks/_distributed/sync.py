@@ -26,6 +26,8 @@ from tensorhooks._core.store import GraphTaskState, graph_task_store
 from tensorhooks._core.torch_compat import (
     current_autograd_node,
     current_graph_task_id,
+    fsdp2_modules,
+    fsdp2_sharded_parameters,
     is_captured_accumulator,
     will_engine_execute_node,
 )
@@ -547,6 +549,21 @@ def _release(params: Sequence[torch.Tensor]) -> None:
                 del _synced[id(param)]
 
 
+def _refuse_fsdp2(module_or_params: object, params: list[torch.Tensor]) -> None:
+    """Raise for a model sharded by FSDP2: it reduces its gradients itself."""
+    sharded = fsdp2_sharded_parameters()
+    in_module = isinstance(module_or_params, torch.nn.Module) and fsdp2_modules(module_or_params)
+    if in_module or any(id(param) in sharded for param in params):
+        raise SyncArgumentValueError(
+            "sync_gradients: the model is sharded by FSDP2 (fully_shard), which reduce-scatters "
+            "its gradients itself in backward; averaging them again would be wasted work, and its "
+            "sharded parameters never get an autograd gradient to start from. Drop "
+            "sync_gradients for this model (FSDP2's gradients are already averaged across "
+            "ranks); to skip communication while accumulating, use "
+            "model.set_requires_gradient_sync(False)"
+        )
+
+
 def sync_gradients(
     module_or_params: torch.nn.Module | Iterable[torch.Tensor],
     process_group: dist.ProcessGroup | None = None,
@@ -627,6 +644,7 @@ def sync_gradients(
         )
     # The parameters first: a wrong first argument is reported even without a process group.
     params = _collect_params(module_or_params)
+    _refuse_fsdp2(module_or_params, params)
     if not params:
         raise SyncArgumentValueError(
             "sync_gradients: no tensor requires grad, so there is nothing to synchronise; pass "

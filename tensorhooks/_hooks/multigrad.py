@@ -16,7 +16,7 @@ from torch.utils.hooks import RemovableHandle
 from tensorhooks._core.errors import HookArgumentTypeError, HookArgumentValueError
 from tensorhooks._core.graph import grad_node
 from tensorhooks._core.store import GraphTaskState, graph_task_store
-from tensorhooks._core.torch_compat import will_engine_execute_nodes
+from tensorhooks._core.torch_compat import fsdp2_sharded_parameters, will_engine_execute_nodes
 
 __all__ = ["MultiGradHandle", "register_multi_grad_hook"]
 
@@ -282,6 +282,7 @@ def register_multi_grad_hook(
         raise HookArgumentTypeError(
             f"register_multi_grad_hook: fn must be callable, got {fn!r} of type {type(fn).__name__}"
         )
+    _refuse_fsdp2_sharded(tensors)
     # One tensor hook per distinct tensor that can receive a gradient; a tensor listed twice
     # fills every position it appears at.
     groups: dict[int, list[int]] = {}
@@ -294,3 +295,19 @@ def register_multi_grad_hook(
     else:
         handles = _register_any(tensors, groups, cast(AnyHook, fn))
     return MultiGradHandle(handles, registration)
+
+
+def _refuse_fsdp2_sharded(tensors: Sequence[torch.Tensor]) -> None:
+    """Raise for a parameter sharded by FSDP2: autograd never gives it a gradient to hook."""
+    if not any(type(tensor) is not torch.Tensor for tensor in tensors):
+        return  # sharded parameters are DTensor Parameters: plain tensors need no look-up
+    sharded = fsdp2_sharded_parameters()
+    for index, tensor in enumerate(tensors):
+        if id(tensor) in sharded:
+            raise HookArgumentValueError(
+                f"register_multi_grad_hook: tensors[{index}] is a parameter sharded by FSDP2 "
+                "(fully_shard), which autograd never gives a gradient: FSDP2 sets its .grad "
+                "after the reduce-scatter, so the hook would never fire. Use "
+                "param.register_post_accumulate_grad_hook(hook) on each sharded parameter "
+                "(FSDP2 runs those once the sharded gradient is set) and count the calls"
+            )

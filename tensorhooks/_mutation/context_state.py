@@ -19,7 +19,7 @@ from tensorhooks._core.torch_compat import storage_key
 
 from .aliasing import byte_span, clone_key, reaches
 from .guarded_pairs import MutationGuard
-from .saved_tensor import SavedTensor, make_pack
+from .saved_tensor import PENDING, SavedTensor, make_pack, shares_version_counter
 
 __all__ = ["MutationContext"]
 
@@ -67,8 +67,9 @@ class MutationContext:
         for ref in refs:
             saved = ref()
             if saved is not None:
-                with contextlib.suppress(AttributeError):
-                    del saved.tensor
+                for name in ("tensor", "original"):
+                    with contextlib.suppress(AttributeError):
+                        delattr(saved, name)
 
     def _refs(self) -> list[weakref.ref[SavedTensor]]:
         """Every weak reference to a handle this context holds. Caller holds the lock."""
@@ -111,8 +112,14 @@ class MutationContext:
             self._indexed = alive
             self._prune_at = 2 * alive + 256
 
-    def _protect(self, written: Sequence[torch.Tensor], resizes: bool) -> list[int | None]:
+    def _protect(
+        self, written: Sequence[torch.Tensor], resizes: bool, counted_later: bool
+    ) -> list[int | None]:
         """Clone every tracked saved tensor that a write to ``written`` could change.
+
+        ``counted_later``: the version counters of the written tensor will tell, after the write,
+        whether autograd counts it (see NOTE [Writes autograd does not count] in
+        `saved_tensor.py`); the clone is then used only if it does.
 
         Returns, once per written tensor, the storage it writes when that storage still holds
         tracked saved tensors after the clones: the write leaves their values alone but may bump
@@ -129,7 +136,7 @@ class MutationContext:
             key = storage_key(tensor)
             if key in by_storage:
                 with self._lock:
-                    self._clone_overlapping(key, tensor, resizes)
+                    self._clone_overlapping(key, tensor, resizes, counted_later)
                 if key in by_storage:
                     touched.append(key)
         return touched
@@ -153,7 +160,9 @@ class MutationContext:
                         saved.version = saved.tensor._version
                         saved.slack = count
 
-    def _clone_overlapping(self, key: int | None, written: torch.Tensor, resizes: bool) -> None:
+    def _clone_overlapping(
+        self, key: int | None, written: torch.Tensor, resizes: bool, counted_later: bool
+    ) -> None:
         bucket = self._by_storage.get(key)
         if not bucket:
             return
@@ -177,8 +186,14 @@ class MutationContext:
             if clone is None:
                 clone = clones[shared] = original.clone()
             saved.tensor = clone
-            saved.version = clone._version
             saved.slack = 0
+            if counted_later and shares_version_counter(original, written):
+                # See NOTE [Writes autograd does not count] in `saved_tensor.py`.
+                saved.original = original
+                saved.original_version = original._version
+                saved.version = PENDING
+            else:
+                saved.version = clone._version
             self._cloned.add(weakref.ref(saved, self._cloned.discard))
         if kept:
             self._by_storage[key] = kept

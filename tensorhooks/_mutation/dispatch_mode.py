@@ -96,14 +96,18 @@ def _dispatch_write(func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, A
         value = args[position] if 0 <= position < len(args) else kwargs.get(argument.name)
         if isinstance(value, torch.Tensor):
             tensors: Sequence[torch.Tensor] = (value,)
+            # Under a dispatch mode a list write leaves version counters alone: only a single
+            # tensor's counter tells afterwards whether autograd counts the write.
+            counted_later = True
         elif isinstance(value, (list, tuple)):
             tensors = [item for item in value if isinstance(item, torch.Tensor)]
+            counted_later = False
         else:
             continue
         if foreign_saves:
             check_foreign_saves(func, tensors, argument.resizes)
         for context in contexts:
-            keys = context._protect(tensors, argument.resizes)
+            keys = context._protect(tensors, argument.resizes, counted_later)
             if keys:
                 touched.append((context, keys))
     result = op.call(*args, **kwargs)

@@ -20,7 +20,7 @@ from tensorhooks._core.guards import (
 )
 from tensorhooks._core.torch_compat import is_alias_of
 
-from .saved_tensor import PLAIN_TENSOR_TYPES, SavedTensor, Track, check_version
+from .saved_tensor import PENDING, PLAIN_TENSOR_TYPES, SavedTensor, Track, check_version, settle
 
 __all__ = ["MutationGuard"]
 
@@ -106,6 +106,8 @@ class _GuardedPair:
             return self._unpack_hook(stored)
         saved = stored.saved
         current = saved.tensor  # raises once the context has exited
+        if saved.version == PENDING:
+            current = settle(saved)
         if id(current) != stored.original_id:
             return current
         if current._version != saved.version:

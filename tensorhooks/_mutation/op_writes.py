@@ -27,6 +27,11 @@ __all__ = [
 # Ops whose schema marks a write that changes no value: ``record_stream`` only tells the caching
 # allocator which stream uses the memory (save_on_cpu calls it on every tensor it copies back).
 _VALUE_PRESERVING_OPS = frozenset({"aten::record_stream"})
+# Ops that write back values their caller freed: FSDP2's all-gather copy-out refills the unsharded
+# parameters whose storage FSDP2 resized to zero bytes after forward (no operator sees that), so
+# the bytes a clone would copy before it are freed memory, and after it the saved weights read
+# their save-time values again. See NOTE [Writes autograd does not count] in `saved_tensor.py`.
+_RESTORING_OPS = frozenset({"fsdp::split_with_sizes_copy"})
 # Ops that may resize the tensor they write (besides every ``out=`` argument).
 _RESIZING_OPS = frozenset(
     {"aten::resize_", "aten::resize_as_", "aten::resize_as_sparse_", "aten::set_"}
@@ -56,7 +61,7 @@ SEEN_OPS: list[OpOverload] = []
 def written_arguments(func: OpOverload) -> tuple[_WrittenArgument, ...]:
     """The arguments ``func`` writes, read once from its schema."""
     schema = op_schema(func)
-    if schema.name in _VALUE_PRESERVING_OPS:
+    if schema.name in _VALUE_PRESERVING_OPS or schema.name in _RESTORING_OPS:
         return ()
     resizing_op = schema.name in _RESIZING_OPS
     written = []

@@ -21,6 +21,7 @@ from tensorhooks._core.torch_compat import (
     is_dispatch_key_excluded,
     is_newest_node,
     set_dispatch_key_excluded,
+    set_version_counters,
 )
 
 __all__ = [
@@ -29,6 +30,8 @@ __all__ = [
     "Track",
     "check_version",
     "make_pack",
+    "settle",
+    "shares_version_counter",
     "unpack",
     "unseen_write_error",
 ]
@@ -56,13 +59,25 @@ class SavedTensor:
     ``tensor`` is emptied when the context closes; reading it then raises.
     """
 
-    __slots__ = ("__weakref__", "slack", "tensor", "version")
+    __slots__ = (
+        "__weakref__",
+        "original",
+        "original_version",
+        "slack",
+        "tensor",
+        "version",
+    )
 
     tensor: torch.Tensor
     # The versions ``tensor`` may be at with no write the context did not see: from ``version``
     # to ``version + slack``. See NOTE [Detecting writes the context did not see].
     version: int
     slack: int
+    # Set by a clone until the first read settles which of the two backward gets: the tensor
+    # before the write and its version counter then. See NOTE [Writes autograd does not count].
+    # ``version`` is PENDING meanwhile.
+    original: torch.Tensor
+    original_version: int
 
     def __getattr__(self, name: str) -> NoReturn:
         # Only reached when a slot is empty, i.e. after the context closed.
@@ -85,6 +100,55 @@ class SavedTensor:
 # to one more per tensor written there (``slack``). Costs: two ints per save, one comparison per
 # unpack, and, after a write that reaches a storage holding saved tensors, one pass over that
 # storage's handles.
+
+
+# NOTE [Writes autograd does not count]
+#
+# FSDP2 frees the storage of its unsharded parameters after forward (resized to zero bytes, which
+# no operator sees) and writes them again before backward: the saved weights then read their
+# save-time values, and a clone taken just before that write would copy freed memory. Its default
+# copy-out (``fsdp::split_with_sizes_copy``) is known by name and never cloned (`op_writes`). Its
+# other paths (one rank; parameters sharded on a dimension other than 0) write with ``copy_`` and
+# ``cat(out=)`` under ``torch.autograd._unsafe_preserve_version_counter``, which puts the version
+# counters back: their author tells autograd the write changes nothing backward needs. The mode
+# cannot know yet how the counters will end, so such a write of a single tensor is cloned as any
+# other, the handle keeps the tensor before the write too, and the first read settles: if the
+# saved tensor's counter is where it was before the write, backward reads the tensor itself, as
+# plain autograd would; otherwise the clone. Only a write through an alias sharing the saved
+# tensor's counter is settled so (asked at the write, `shares_version_counter`); one through
+# ``.data`` (a counter of its own) keeps the clone. A list write (``_foreach_mul_``, ``out=``
+# lists) leaves every counter alone under a dispatch mode, so its counters tell nothing and its
+# clone is always used. Cost: only on saved tensors a write
+# reached; until the first read they keep the tensor before the write alive too, as torch's
+# context does.
+PENDING = -1
+
+
+def settle(saved: SavedTensor) -> torch.Tensor:
+    """Decide, at the first read after a clone, between the clone and the tensor itself."""
+    original = saved.original
+    if original._version == saved.original_version:
+        saved.tensor = original
+        saved.version = saved.original_version
+    else:
+        saved.version = saved.tensor._version
+    saved.slack = 0
+    del saved.original
+    return saved.tensor
+
+
+def shares_version_counter(saved: torch.Tensor, written: torch.Tensor) -> bool:
+    """Whether ``written`` moves ``saved``'s version counter: an alias made by autograd.
+
+    Asked of the counters themselves (one is moved and put back): inside the dispatch mode an
+    alias made to remember ``written`` would get a counter of its own.
+    """
+    before = written._version
+    set_version_counters((written,), (before + 1,))
+    try:
+        return saved._version == before + 1
+    finally:
+        set_version_counters((written,), (before,))
 
 
 def unseen_write_error(tensor: torch.Tensor, saved_version: int) -> SavedTensorModifiedError:
@@ -113,6 +177,8 @@ def unpack(saved: SavedTensor) -> torch.Tensor:
     """Hand back what ``saved`` holds, unless a write the context did not see changed it."""
     tensor = saved.tensor
     if tensor._version != saved.version:
+        if saved.version == PENDING:
+            return settle(saved)
         check_version(saved, tensor)
     return tensor
 

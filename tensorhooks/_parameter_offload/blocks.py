@@ -14,6 +14,7 @@ from tensorhooks._core.errors import (
     ParameterOffloadTypeError,
     ParameterOffloadValueError,
 )
+from tensorhooks._core.torch_compat import fsdp2_modules
 
 from .slots import Block, Slot
 from .transfers import CudaTransfer, ParameterTransfer
@@ -29,6 +30,15 @@ def build_blocks(
         raise ParameterOffloadTypeError(
             f"offload_parameters: module must be an nn.Module, got {module!r} of type "
             f"{type(module).__name__}"
+        )
+    sharded = fsdp2_modules(module)
+    if sharded:
+        raise ParameterOffloadValueError(
+            f"offload_parameters: {type(sharded[0]).__name__} is sharded by FSDP2 (fully_shard), "
+            "whose parameters are DTensor shards that FSDP2 gathers and frees itself: streaming "
+            "them too is not supported. Let FSDP2 keep them in host memory: "
+            "fully_shard(module, offload_policy=CPUOffloadPolicy()) "
+            "(from torch.distributed.fsdp import CPUOffloadPolicy)"
         )
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ParameterOffloadValueError(

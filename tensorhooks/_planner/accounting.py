@@ -16,6 +16,7 @@ import torch
 from tensorhooks._core.errors import PlanStateError
 from tensorhooks._core.guards import is_output_of_saving_node, register_protected_pack_hook
 from tensorhooks._core.torch_compat import (
+    fsdp_unsharded_tensors,
     pop_saved_tensors_hooks,
     push_saved_tensors_hooks,
     storage_key,
@@ -145,8 +146,13 @@ class HeldBytes:
 
 
 def module_keys(module: torch.nn.Module) -> set[int]:
-    """Storage keys of ``module``'s parameters and buffers (never counted as activations)."""
-    keys = {storage_key(t) for t in (*module.parameters(), *module.buffers())}
+    """Storage keys of ``module``'s parameters and buffers (never counted as activations).
+
+    Under FSDP2 also the buffers its unsharded parameters live in while a block runs: see
+    NOTE [Plans under FSDP2] in `ranks`.
+    """
+    tensors = (*module.parameters(), *module.buffers(), *fsdp_unsharded_tensors(module))
+    keys = {storage_key(t) for t in tensors}
     return {key for key in keys if key is not None}
 
 

@@ -21,6 +21,7 @@ from tensorhooks._core.torch_compat import OpOverload
 from .apply import FULL, Application
 from .blocks import repeated_stacks, resolve_blocks
 from .checks import StepWatch, check_model_state, untouched
+from .ranks import agreed
 from .recording import (
     BEFORE,
     BETWEEN,
@@ -398,7 +399,10 @@ def profile_step(
     ``rounds`` interleaved rounds with every block recomputed, with a policy that caches
     nothing (what a policy's dispatch costs), and with no plan (unless ``unplanned=False``). On
     CUDA the pinned host↔device bandwidth is measured once per process. `plan_activations`
-    takes the result, so several budgets can be planned from one profile.
+    takes the result, so several budgets can be planned from one profile. Under FSDP2
+    (``fully_shard``) every rank of the model's mesh must call it: the ranks agree on one
+    profile, each figure its worst case over them, so they all plan alike (see
+    docs/planner.md, "Under FSDP2").
 
     Example:
         >>> import torch, tensorhooks
@@ -466,4 +470,4 @@ def profile_step(
             candidates=candidates(profiled),
         )
     bandwidth = measured_bandwidth(where) if where.type == "cuda" else None
-    return _summary(profiled, recorder, timings, bandwidth, where)
+    return agreed(_summary(profiled, recorder, timings, bandwidth, where), model)

@@ -31,7 +31,7 @@ try:
 finally:
     sys.path.remove(str(BENCHMARKS))
 
-MEASURING = ("save-on-cpu", "checkpoint", "offload-parameters", "sync-gradients")
+MEASURING = ("save-on-cpu", "checkpoint", "offload-parameters", "sync-gradients", "fsdp2")
 
 
 def gpu_py(*args: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess[str], float]:

@@ -35,6 +35,7 @@ class TestBenchmarkScripts:
                 ["--rounds", "1", "--inner", "1", "--layers", "2", "--width", "32"],
                 marks=pytest.mark.slow,
             ),
+            pytest.param("fsdp2.py", ["--rounds", "1", "--quick"], marks=pytest.mark.slow),
         ],
     )
     def test_runs_with_tiny_settings(self, script: str, args: list[str]) -> None:

@@ -1,0 +1,87 @@
+"""Saved tensors whose storage was freed and refilled (FSDP2's unsharded parameters)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+# Registers fsdp::split_with_sizes_copy, FSDP2's all-gather copy-out.
+import torch.distributed.fsdp._fully_shard._fsdp_collectives
+
+import tensorhooks
+
+pytestmark = pytest.mark.usefixtures("no_open_contexts")
+
+
+def _freed_and_refilled(refill: Callable[[torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
+    """x.grad of ``(x @ w).sum()`` where w's storage is freed and refilled before backward."""
+    flat = torch.randn(12, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    values = flat.clone()
+    weight = torch.nn.Parameter(flat.view(3, 4))
+    x = torch.ones(2, 3, dtype=torch.float64, requires_grad=True)
+    with tensorhooks.allow_mutation_on_saved_tensors():
+        loss = (x @ weight).pow(2).sum()
+        flat.untyped_storage().resize_(0)  # as FSDP2 frees after forward: no operator sees it
+        flat.untyped_storage().resize_(values.numel() * values.element_size())
+        refill(flat, values)
+        loss.backward()
+    assert x.grad is not None
+    return x.grad
+
+
+def _expected() -> torch.Tensor:
+    flat = torch.randn(12, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x = torch.ones(2, 3, dtype=torch.float64, requires_grad=True)
+    (x @ flat.view(3, 4)).pow(2).sum().backward()
+    assert x.grad is not None
+    return x.grad
+
+
+def _copy_preserving_version(flat: torch.Tensor, values: torch.Tensor) -> None:
+    with torch.autograd._unsafe_preserve_version_counter(flat):
+        flat.copy_(values)
+
+
+def _fsdp2_copy_out(flat: torch.Tensor, values: torch.Tensor) -> None:
+    out = [flat.view(1, -1)]
+    with torch.autograd._unsafe_preserve_version_counter(tuple(out)):
+        torch.ops.fsdp.split_with_sizes_copy(values.view(1, -1), [12], dim=1, out=out)
+
+
+@pytest.mark.parametrize(
+    "refill", [_copy_preserving_version, _fsdp2_copy_out], ids=["copy_", "fsdp2_copy_out"]
+)
+def test_refilled_weights_are_read_as_refilled(
+    refill: Callable[[torch.Tensor, torch.Tensor], None],
+) -> None:
+    """A refill autograd does not count gives plain autograd's gradient, not freed memory."""
+    torch.testing.assert_close(_freed_and_refilled(refill), _expected(), rtol=0, atol=0)
+
+
+def test_counted_write_after_save_keeps_the_save_time_value() -> None:
+    """The same write with the version counter moving is a mutation: the clone is used."""
+
+    def scale(flat: torch.Tensor, values: torch.Tensor) -> None:
+        flat.copy_(values * 2)
+
+    flat = torch.randn(12, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    weight = torch.nn.Parameter(flat.view(3, 4))
+    x = torch.ones(2, 3, dtype=torch.float64, requires_grad=True)
+    with tensorhooks.allow_mutation_on_saved_tensors():
+        loss = (x @ weight).pow(2).sum()
+        scale(flat, flat.clone())
+        loss.backward()
+    torch.testing.assert_close(x.grad, _expected(), rtol=0, atol=0)
+
+
+def test_write_through_data_keeps_the_save_time_value() -> None:
+    """``.data`` has a counter of its own: its write moves it, so the clone is used."""
+    a = torch.ones(2, 3, dtype=torch.float64, requires_grad=True)
+    with tensorhooks.allow_mutation_on_saved_tensors():
+        b = a * 1
+        loss = (b * b).sum()
+        b.data.mul_(5.0)
+        loss.backward()
+    torch.testing.assert_close(a.grad, 2 * torch.ones(2, 3, dtype=torch.float64))
