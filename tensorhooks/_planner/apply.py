@@ -158,8 +158,10 @@ class _BlockForward:
             context_fn = self._contexts(holds)
             with self._input_offload():
                 if context_fn is None:
-                    return checkpoint(function, *args, **kwargs)
-                return checkpoint(function, *args, context_fn=context_fn, **kwargs)
+                    return checkpoint(function, *args, use_reentrant=False, **kwargs)
+                return checkpoint(
+                    function, *args, use_reentrant=False, context_fn=context_fn, **kwargs
+                )
 
     def _function(self, holds: _RegionHolds | None) -> Callable[..., Any]:
         """The region's function: the block's forward, with the measuring hooks if any."""
