@@ -75,6 +75,10 @@ def torch_ckpt(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return torch_checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
 
 
+def ours_ckpt(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return tensorhooks.checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+
 def step_fn(blocks: nn.ModuleList, x: torch.Tensor, checkpoint: Any, **options: Any):
     def step() -> None:
         run_blocks(blocks, x, checkpoint, **options).sum().backward()
@@ -121,7 +125,7 @@ def _time_against_torch(
     timings = interleaved(
         {
             "torch": step_fn(blocks, x, torch_ckpt),
-            "tensorhooks": step_fn(blocks, x, tensorhooks.checkpoint),
+            "tensorhooks": step_fn(blocks, x, ours_ckpt),
         },
         rounds=rounds,
         warmup=3,
@@ -156,7 +160,7 @@ def time_ratios(rounds: int, quick: bool) -> None:
     print(f"| no checkpoint | {base} | 1.000 |")
     for name, context_fn in POLICIES.items():
         options = {} if context_fn is None else {"context_fn": context_fn}
-        kept = kept_bytes(blocks, h, tensorhooks.checkpoint, **options)
+        kept = kept_bytes(blocks, h, ours_ckpt, **options)
         print(f"| {name} | {kept} | {kept / base:.3f} |")
 
 
@@ -171,7 +175,7 @@ def gpu_rows(quick: bool) -> None:
     settings: dict[str, tuple[Any, dict[str, Any]]] = {"no checkpoint": (None, {})}
     for name, context_fn in POLICIES.items():
         settings[name] = (
-            tensorhooks.checkpoint,
+            ours_ckpt,
             {} if context_fn is None else {"context_fn": context_fn},
         )
     steps = {name: step_fn(blocks, x, run, **options) for name, (run, options) in settings.items()}

@@ -63,7 +63,7 @@ class TinyLM(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)
         for block in self.blocks:
-            h = tensorhooks.checkpoint(block, h, context_fn=self.context_fn)
+            h = tensorhooks.checkpoint(block, h, context_fn=self.context_fn, use_reentrant=False)
         return self.head(h)
 
 

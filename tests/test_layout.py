@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "tensorhooks"
-FACES = {"tensorhooks", "tensorhooks.distributed", "tensorhooks.testing", "tensorhooks.__main__"}
+FACES = {
+    "tensorhooks",
+    "tensorhooks.checkpointing",
+    "tensorhooks.distributed",
+    "tensorhooks.testing",
+    "tensorhooks.__main__",
+}
 MAX_LINES = 800
 
 

@@ -32,7 +32,6 @@ import torch.utils.checkpoint as torch_checkpoint
 from harness import FusedAttentionBlock, Timings
 from torch import nn
 
-import tensorhooks
 from tensorhooks import CheckpointPolicy
 
 from . import common
@@ -89,7 +88,7 @@ def settings() -> dict[str, tuple[Any, dict[str, Any]]]:
     """Each setting: the checkpoint function (None: none) and its keyword arguments."""
     chosen: dict[str, tuple[Any, dict[str, Any]]] = {"no checkpoint": (None, {})}
     for owner, function, policies in (
-        ("tensorhooks", tensorhooks.checkpoint, script.POLICIES),
+        ("tensorhooks", script.ours_ckpt, script.POLICIES),
         ("torch", script.torch_ckpt, TORCH_POLICIES),
     ):
         for name, context_fn in policies.items():

@@ -5,10 +5,18 @@
 - `arguments`: the tensors among a call's arguments, saved as inputs and put back.
 - `replay`: the RNG, autocast and default-device state replayed in recomputation.
 - `policies`: selective checkpointing, each op saved, recomputed or offloaded.
+- `sequential`: `checkpoint_sequential`, a sequence cut into checkpointed segments.
 """
 
 from .policies import create_selective_checkpoint_contexts
 from .recomputation import is_recomputing
-from .region import checkpoint
+from .region import checkpoint, noop_context_fn
+from .sequential import checkpoint_sequential
 
-__all__ = ["checkpoint", "create_selective_checkpoint_contexts", "is_recomputing"]
+__all__ = [
+    "checkpoint",
+    "checkpoint_sequential",
+    "create_selective_checkpoint_contexts",
+    "is_recomputing",
+    "noop_context_fn",
+]

@@ -415,7 +415,9 @@ def create_selective_checkpoint_contexts(
         >>> context_fn = functools.partial(tensorhooks.create_selective_checkpoint_contexts, ops)
         >>> x = torch.ones(2, 3, requires_grad=True)
         >>> w = torch.ones(3, 3, requires_grad=True)
-        >>> y = tensorhooks.checkpoint(lambda a: (a @ w).sin() @ w, x, context_fn=context_fn)
+        >>> y = tensorhooks.checkpoint(
+        ...     lambda a: (a @ w).sin() @ w, x, use_reentrant=False, context_fn=context_fn
+        ... )
         >>> y.sum().backward()         # the first mm is not run again, the sin is
         >>> x.grad.shape
         torch.Size([2, 3])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
@@ -40,8 +41,14 @@ _REENTRANT_REFUSED = (
     "saved-tensor hooks (torch's use_reentrant=False semantics): backward recomputes the region "
     "inside the outer backward call instead of running a nested one, so it works with "
     "torch.autograd.grad(), backward(inputs=...), keyword arguments, nesting and every "
-    "tensorhooks context. Pass use_reentrant=False (or leave it out), or call "
+    "tensorhooks context. Pass use_reentrant=False, or call "
     "torch.utils.checkpoint.checkpoint(..., use_reentrant=True) for the reentrant variant."
+)
+# torch's checkpoint warns so too (a UserWarning), and runs its reentrant variant then.
+REENTRANT_UNSET = (
+    "tensorhooks.checkpoint: the use_reentrant parameter should be passed explicitly, as "
+    "torch.utils.checkpoint asks. tensorhooks runs the non-reentrant variant either way, where "
+    "torch runs the reentrant one when use_reentrant is left out; pass use_reentrant=False."
 )
 
 
@@ -99,17 +106,19 @@ def checkpoint(
     tensor is back. Works with ``torch.autograd.grad``, ``backward(inputs=...)``,
     ``retain_graph=True``, double backward, nesting, keyword and non-tensor arguments, and every
     tensorhooks context; state lives in the graph-task store, so nothing outlives a backward
-    call, successful or not. With ``function=None`` it returns a decorator.
+    call, successful or not. With ``function=None`` it returns a decorator (torch 2.14's
+    curried form): the decorated function takes its own arguments, keywords included, and
+    ``use_reentrant`` left out warns at each of its calls, as in torch.
 
     Example:
         >>> import torch, tensorhooks
         >>> w = torch.ones(3, 3, requires_grad=True)
         >>> x = torch.ones(2, 3, requires_grad=True)
-        >>> y = tensorhooks.checkpoint(lambda a: (a @ w).sin(), x)
+        >>> y = tensorhooks.checkpoint(lambda a: (a @ w).sin(), x, use_reentrant=False)
         >>> (gx,) = torch.autograd.grad(y.sum(), [x])
         >>> gx.shape
         torch.Size([2, 3])
-        >>> @tensorhooks.checkpoint(early_stop=False)
+        >>> @tensorhooks.checkpoint(use_reentrant=False, early_stop=False)
         ... def block(a, *, scale=1.0):
         ...     return (a * scale).exp()
         >>> block(x, scale=2.0).sum().backward()
@@ -118,7 +127,8 @@ def checkpoint(
         function: what to run; ``None`` to get a decorator taking the same options.
         *args: its positional arguments. Tensors among them, also inside list, tuple and dict
             arguments, are saved as a node saves its inputs.
-        use_reentrant: ``None`` or ``False``; ``True`` is refused (see Raises).
+        use_reentrant: ``False``; ``None`` warns as torch does (a ``UserWarning``; torch then
+            runs its reentrant variant, tensorhooks this one); ``True`` is refused (see Raises).
         preserve_rng_state: replay the CPU and device RNG state in recomputation.
         context_fn: returns ``(forward_context, recompute_context)``, e.g.
             `create_selective_checkpoint_contexts` (tensorhooks' or torch's).
@@ -158,10 +168,11 @@ def checkpoint(
     if use_reentrant:
         raise CheckpointArgumentValueError(_REENTRANT_REFUSED)
     if function is None:
-        if args:
+        if args or kwargs:
             raise CheckpointArgumentValueError(
-                "tensorhooks.checkpoint: positional arguments were given without a function; "
-                "pass the function first, or use @checkpoint(...) as a decorator"
+                "tensorhooks.checkpoint: arguments were given without a function "
+                f"({len(args)} positional, keywords {sorted(kwargs)}); pass the function "
+                "first, or use @checkpoint(...) as a decorator and pass them to its result"
             )
         options = {
             "preserve_rng_state": preserve_rng_state,
@@ -175,11 +186,15 @@ def checkpoint(
         def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
             @functools.wraps(fn)
             def checkpointed(*a: Any, **k: Any) -> Any:
+                if use_reentrant is None:
+                    warnings.warn(REENTRANT_UNSET, UserWarning, stacklevel=2)
                 return _checkpoint_with(fn, a, k, options)
 
             return checkpointed
 
         return decorate
+    if use_reentrant is None:
+        warnings.warn(REENTRANT_UNSET, UserWarning, stacklevel=2)
     return _checkpoint_with(
         function,
         args,

@@ -241,8 +241,10 @@ class _BlockForward:
             context_fn = self._contexts(holds)
             with self._input_offload():
                 if context_fn is None:
-                    return checkpoint(function, *args, **kwargs)
-                return checkpoint(function, *args, context_fn=context_fn, **kwargs)
+                    return checkpoint(function, *args, use_reentrant=False, **kwargs)
+                return checkpoint(
+                    function, *args, use_reentrant=False, context_fn=context_fn, **kwargs
+                )
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         # A copy of a planned model (an EMA copy, taken inside ``with plan:``) is a plain model:

@@ -11,9 +11,15 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
+import tensorhooks
+
 
 def torch_ckpt(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return torch_checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+
+def th_ckpt(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return tensorhooks.checkpoint(function, *args, use_reentrant=False, **kwargs)
 
 
 class OpCounter(TorchDispatchMode):

@@ -53,7 +53,12 @@ def test_ops_run_again_per_policy(choice: CheckpointPolicy, mm_runs: int, factor
     )
     w1, w2 = weights()
     x = input_tensor()
-    out = checkpoint(block_of(w1, w2), x, context_fn=functools.partial(make, mm_policy(choice)))
+    out = checkpoint(
+        block_of(w1, w2),
+        x,
+        context_fn=functools.partial(make, mm_policy(choice)),
+        use_reentrant=False,
+    )
     with OpCounter() as counter:
         got = torch.autograd.grad(out.sum(), [x, w1, w2])
     # The backward of each of the two mms runs two mms; recomputation adds the block's two.
@@ -69,7 +74,7 @@ def test_op_list_saves_the_listed_ops() -> None:
     context_fn = functools.partial(
         tensorhooks.create_selective_checkpoint_contexts, [aten.mm.default, aten.sin.default]
     )
-    out = checkpoint(block_of(w1, w2), x, context_fn=context_fn)
+    out = checkpoint(block_of(w1, w2), x, context_fn=context_fn, use_reentrant=False)
     with OpCounter() as counter:
         out.sum().backward()
     assert counter.counts.get(aten.sin.default, 0) == 0
@@ -87,7 +92,7 @@ def test_offloaded_outputs_go_through_save_on_cpu() -> None:
             mm_policy(CheckpointPolicy.MUST_CPU_OFFLOAD),
             offload=offload,
         )
-        out = checkpoint(block_of(w1, w2), x, context_fn=context_fn)
+        out = checkpoint(block_of(w1, w2), x, context_fn=context_fn, use_reentrant=False)
         copied_in_forward = tensorhooks.save_on_cpu.stats("cpu").bytes_to_host
         got = torch.autograd.grad(out.sum(), [x, w1, w2])
         copied_back = tensorhooks.save_on_cpu.stats("cpu").bytes_to_device
@@ -112,7 +117,7 @@ def test_offload_on_a_cpu_tensor_keeps_it_and_checks_its_version() -> None:
         context_fn = functools.partial(
             tensorhooks.create_selective_checkpoint_contexts, mm_policy(choice)
         )
-        out = checkpoint(block, x, context_fn=context_fn)
+        out = checkpoint(block, x, context_fn=context_fn, use_reentrant=False)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             out.sum().backward()
 
@@ -137,7 +142,10 @@ def test_allow_cache_entry_mutation_recomputes_a_written_output() -> None:
         context_fn = functools.partial(make, [aten.mm.default], True)
         assert_same(
             grads(
-                lambda context_fn=context_fn: checkpoint(block, x, context_fn=context_fn), [x, w1]
+                lambda context_fn=context_fn: checkpoint(
+                    block, x, context_fn=context_fn, use_reentrant=False
+                ),
+                [x, w1],
             ),
             grads(lambda: block(x), [x, w1]),
         )
@@ -158,7 +166,7 @@ def test_saved_output_written_in_region_under_allow_mutation() -> None:
         tensorhooks.create_selective_checkpoint_contexts, [aten.mm.default]
     )
     with tensorhooks.allow_mutation_on_saved_tensors():
-        loss = checkpoint(block, x, context_fn=context_fn).sum()
+        loss = checkpoint(block, x, context_fn=context_fn, use_reentrant=False).sum()
         first = torch.autograd.grad(loss, [x, w1], retain_graph=True)
         second = torch.autograd.grad(loss, [x, w1])
         expected = torch.autograd.grad(block(x).sum(), [x, w1])
@@ -173,7 +181,7 @@ def test_selective_retain_graph_twice() -> None:
     context_fn = functools.partial(
         tensorhooks.create_selective_checkpoint_contexts, [aten.mm.default]
     )
-    loss = checkpoint(block_of(w1, w2), x, context_fn=context_fn).sum()
+    loss = checkpoint(block_of(w1, w2), x, context_fn=context_fn, use_reentrant=False).sum()
     first = torch.autograd.grad(loss, [x, w1], retain_graph=True)
     second = torch.autograd.grad(loss, [x, w1])
     assert_same(first, second)
@@ -192,7 +200,7 @@ def test_selective_mismatch_raises_checkpoint_error() -> None:
     context_fn = functools.partial(
         tensorhooks.create_selective_checkpoint_contexts, [aten.mm.default]
     )
-    out = checkpoint(block, x, context_fn=context_fn, early_stop=False)
+    out = checkpoint(block, x, context_fn=context_fn, early_stop=False, use_reentrant=False)
     flip["on"] = True
     with pytest.raises(CheckpointError, match="not in the forward pass"):
         out.sum().backward()
@@ -219,7 +227,7 @@ def test_policy_returning_garbage_raises() -> None:
         tensorhooks.create_selective_checkpoint_contexts, lambda *a, **k: "save"
     )
     with pytest.raises(tensorhooks.CheckpointArgumentTypeError, match="return a CheckpointPolicy"):
-        checkpoint(torch.sin, input_tensor(), context_fn=context_fn)
+        checkpoint(torch.sin, input_tensor(), context_fn=context_fn, use_reentrant=False)
 
 
 def test_offload_must_be_save_on_cpu() -> None:
@@ -256,13 +264,15 @@ def test_saved_views_work_with_retain_graph_and_double_backward(factory: str) ->
     x = input_tensor()
     block = _slicing_block(w)
     context_fn = functools.partial(FACTORIES[factory], _save_everything)
-    out = checkpoint(block, x, context_fn=context_fn)
+    out = checkpoint(block, x, context_fn=context_fn, use_reentrant=False)
     first = torch.autograd.grad(out, [x, w], retain_graph=True)
     second = torch.autograd.grad(out, [x, w])
     expected = torch.autograd.grad(block(x), [x, w])
     assert_same(first, expected)
     assert_same(second, expected)
-    (gx,) = torch.autograd.grad(checkpoint(block, x, context_fn=context_fn), [x], create_graph=True)
+    (gx,) = torch.autograd.grad(
+        checkpoint(block, x, context_fn=context_fn, use_reentrant=False), [x], create_graph=True
+    )
     (plain_gx,) = torch.autograd.grad(block(x), [x], create_graph=True)
     assert_same(torch.autograd.grad(gx.sum(), [w]), torch.autograd.grad(plain_gx.sum(), [w]))
 
@@ -279,7 +289,7 @@ def test_view_ops_are_replayed_not_served() -> None:
         a = h @ w
         return (a.t()[1:] * 1).sin().sum()
 
-    out = checkpoint(block, x, context_fn=context_fn)
+    out = checkpoint(block, x, context_fn=context_fn, use_reentrant=False)
     with OpCounter() as counter:
         got = torch.autograd.grad(out, [x, w])
     assert counter.counts.get(aten.t.default, 0) >= 1  # replayed
@@ -318,7 +328,7 @@ def test_no_storage_outlives_backward(factory: str, choice: CheckpointPolicy) ->
     for _ in range(3):
         x = input_tensor()
         with Spy():
-            out = checkpoint(block, x, context_fn=context_fn)
+            out = checkpoint(block, x, context_fn=context_fn, use_reentrant=False)
             torch.autograd.grad(out, [x, w])
         del out, x
     gc.collect()
@@ -347,7 +357,7 @@ def test_saved_output_written_by_the_region_names_the_op_and_policy() -> None:
     context_fn = functools.partial(
         tensorhooks.create_selective_checkpoint_contexts, _save_everything
     )
-    out = checkpoint(attention, x, context_fn=context_fn)
+    out = checkpoint(attention, x, context_fn=context_fn, use_reentrant=False)
     with pytest.raises(
         tensorhooks.SavedTensorModifiedError,
         match=r"(?s)modified by an inplace operation.*aten\.mm\.default \(call 0\).*\(MUST_SAVE\)"
@@ -368,7 +378,7 @@ def test_saved_view_written_after_forward_raises() -> None:
     context_fn = functools.partial(
         tensorhooks.create_selective_checkpoint_contexts, _save_everything
     )
-    view, out = checkpoint(block, x, context_fn=context_fn)
+    view, out = checkpoint(block, x, context_fn=context_fn, use_reentrant=False)
     with torch.no_grad():
         view.mul_(2)
     with pytest.raises(tensorhooks.SavedTensorModifiedError, match="selective checkpoint policy"):
@@ -388,7 +398,9 @@ def test_save_everything_with_dropout_under_allow_mutation() -> None:
     )
     torch.manual_seed(3)
     with tensorhooks.allow_mutation_on_saved_tensors():
-        got = torch.autograd.grad(checkpoint(block, x, context_fn=context_fn), [x, w])
+        got = torch.autograd.grad(
+            checkpoint(block, x, context_fn=context_fn, use_reentrant=False), [x, w]
+        )
     torch.manual_seed(3)
     assert_same(got, torch.autograd.grad(block(x), [x, w]))
 
@@ -409,7 +421,11 @@ def test_respect_saved_tensors_hooks(respect: bool | None, packed_outputs: int) 
     )
     with tensorhooks.saved_tensors_hooks(pack, lambda tensor: tensor):
         out = checkpoint(
-            block_of(w1, w2), x, context_fn=context_fn, respect_saved_tensors_hooks=respect
+            block_of(w1, w2),
+            x,
+            context_fn=context_fn,
+            respect_saved_tensors_hooks=respect,
+            use_reentrant=False,
         )
     assert len(shapes) == 1 + packed_outputs  # the region's input, then the saved mm outputs
     assert_same(grads(lambda: out, [x, w1, w2]), grads(lambda: block_of(w1, w2)(x), [x, w1, w2]))
@@ -418,7 +434,9 @@ def test_respect_saved_tensors_hooks(respect: bool | None, packed_outputs: int) 
 def test_respect_saved_tensors_hooks_takes_a_bool() -> None:
     """Anything but None or a bool is refused, naming the value."""
     with pytest.raises(tensorhooks.CheckpointArgumentTypeError, match="got 'yes' of type str"):
-        checkpoint(torch.sin, input_tensor(), respect_saved_tensors_hooks="yes")  # type: ignore[arg-type]
+        checkpoint(
+            torch.sin, input_tensor(), respect_saved_tensors_hooks="yes", use_reentrant=False
+        )  # type: ignore[arg-type]
 
 
 def test_policy_sees_the_output_on_every_release() -> None:
@@ -433,7 +451,7 @@ def test_policy_sees_the_output_on_every_release() -> None:
     w1, w2 = weights()
     x = input_tensor()
     context_fn = functools.partial(tensorhooks.create_selective_checkpoint_contexts, policy)
-    out = checkpoint(block_of(w1, w2), x, context_fn=context_fn)
+    out = checkpoint(block_of(w1, w2), x, context_fn=context_fn, use_reentrant=False)
     assert len(outputs) == 2
     assert outputs[0].shape == (4, 6)
     del out

@@ -41,7 +41,7 @@ def test_weight_changed_before_backward_raises(read: str) -> None:
     """A closure's weight changed between forward and backward raises, naming the closure."""
     w = _double(0, 3, 3)
     x = _double(1, 4, 3)
-    out = checkpoint(READS[read](w), x)
+    out = checkpoint(READS[read](w), x, use_reentrant=False)
     with torch.no_grad():
         w.mul_(2)
     with pytest.raises(
@@ -57,7 +57,7 @@ def test_weight_changed_before_backward_under_allow_mutation(read: str) -> None:
     w = _double(0, 3, 3)
     x = _double(1, 4, 3)
     with tensorhooks.allow_mutation_on_saved_tensors():
-        out = checkpoint(READS[read](w), x)
+        out = checkpoint(READS[read](w), x, use_reentrant=False)
         plain = READS[read](w)(x)
         with torch.no_grad():
             w.mul_(2)
@@ -70,14 +70,14 @@ def test_linear_weight_stepped_before_backward() -> None:
     """nn.Linear: a step before backward raises, or inside allow_mutation uses the old weight."""
     linear = torch.nn.Linear(3, 3).double()
     x = _double(1, 4, 3)
-    out = checkpoint(linear, x)
+    out = checkpoint(linear, x, use_reentrant=False)
     with torch.no_grad():
         linear.weight.mul_(2)
     with pytest.raises(tensorhooks.SavedTensorModifiedError, match=r"Linear\.weight"):
         torch.autograd.grad(out.sum(), [x])
     reference = copy.deepcopy(linear)
     with tensorhooks.allow_mutation_on_saved_tensors():
-        out = checkpoint(linear, x)
+        out = checkpoint(linear, x, use_reentrant=False)
         optimizer = torch.optim.SGD(linear.parameters(), lr=0.5)
         linear.weight.grad = torch.ones_like(linear.weight)
         optimizer.step()
@@ -141,7 +141,9 @@ def test_state_written_by_the_region_matches_plain_autograd(make: str, context: 
     reference = copy.deepcopy(module)
     x = _double(1, 6, 4)
     with CONTEXTS[context]():
-        got = torch.autograd.grad(checkpoint(module, x).sum(), [x, *module.parameters()])
+        got = torch.autograd.grad(
+            checkpoint(module, x, use_reentrant=False).sum(), [x, *module.parameters()]
+        )
         expected = torch.autograd.grad(reference(x).sum(), [x, *reference.parameters()])
     assert_same(got, expected)
     assert_same(_state(module), _state(reference))
@@ -152,7 +154,7 @@ def test_buffer_saved_then_written_uses_the_saved_value() -> None:
     module = _SavedThenWritten()
     reference = copy.deepcopy(module)
     x = _double(1, 6, 4)
-    got = torch.autograd.grad(checkpoint(module, x).sum(), [x])
+    got = torch.autograd.grad(checkpoint(module, x, use_reentrant=False).sum(), [x])
     with tensorhooks.allow_mutation_on_saved_tensors():
         expected = torch.autograd.grad(reference(x).sum(), [x])
     assert_same(got, expected)
@@ -174,7 +176,7 @@ def test_weight_written_by_the_region_raises_naming_it() -> None:
     module = torch.nn.Sequential(torch.nn.Embedding(10, 4, max_norm=1.0), torch.nn.Linear(4, 4))
     with torch.no_grad():
         module[0].weight.mul_(3)
-    out = checkpoint(module, torch.tensor([1, 2, 3]))
+    out = checkpoint(module, torch.tensor([1, 2, 3]), use_reentrant=False)
     with pytest.raises(CheckpointError, match=r"changed Sequential\.0\.weight in place"):
         out.sum().backward()
 
@@ -187,7 +189,9 @@ def test_weight_written_by_the_region_under_allow_mutation() -> None:
     reference = copy.deepcopy(module)
     index = torch.tensor([1, 2, 3])
     with tensorhooks.allow_mutation_on_saved_tensors():
-        got = torch.autograd.grad(checkpoint(module, index).sum(), list(module.parameters()))
+        got = torch.autograd.grad(
+            checkpoint(module, index, use_reentrant=False).sum(), list(module.parameters())
+        )
         expected = torch.autograd.grad(reference(index).sum(), list(reference.parameters()))
     assert_same(got, expected)
 
@@ -204,7 +208,7 @@ def test_retain_graph_twice_with_written_state() -> None:
     reference = copy.deepcopy(module)
     x = _double(1, 6, 4)
     with _no_state_left():
-        loss = checkpoint(module, x).sum()
+        loss = checkpoint(module, x, use_reentrant=False).sum()
         first = torch.autograd.grad(loss, [x], retain_graph=True)
         second = torch.autograd.grad(loss, [x])
     expected = torch.autograd.grad(reference(x).sum(), [x])

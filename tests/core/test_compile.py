@@ -283,6 +283,10 @@ def torch_checkpoint(function: Callable[..., Any], *args: Any) -> Any:
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
 
 
+def _ours(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return tensorhooks.checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+
 def checkpoint_program(checkpoint: Callable[..., Any]) -> Callable[[torch.Tensor], torch.Tensor]:
     def region(y: torch.Tensor) -> torch.Tensor:
         return torch.relu((y * y).exp()) * 2
@@ -317,7 +321,7 @@ def test_compiled_model_inside_checkpoint_matches_torch() -> None:
     def grads(checkpoint: Callable[..., Any]) -> tuple[torch.Tensor, ...]:
         return torch.autograd.grad(checkpoint(compiled, x).square().sum(), inputs)
 
-    ours, theirs = grads(tensorhooks.checkpoint), grads(torch_checkpoint)
+    ours, theirs = grads(_ours), grads(torch_checkpoint)
     eager = torch.autograd.grad(model(x).square().sum(), inputs)
     for mine, torchs, plain in zip(ours, theirs, eager, strict=True):
         assert torch.allclose(mine, torchs)
@@ -326,7 +330,7 @@ def test_compiled_model_inside_checkpoint_matches_torch() -> None:
 
 def test_checkpoint_inside_compiled_function_matches_torch() -> None:
     """Called inside a compiled function, checkpoint gives the gradient torch's checkpoint does."""
-    _, ours = checkpoint_graph_breaks(tensorhooks.checkpoint)
+    _, ours = checkpoint_graph_breaks(_ours)
     _, theirs = checkpoint_graph_breaks(torch_checkpoint)
     x = torch.linspace(-1.0, 1.0, 5, requires_grad=True)
     (eager,) = torch.autograd.grad(checkpoint_program(lambda f, y: f(y))(x).sum(), [x])
@@ -338,7 +342,7 @@ def test_checkpoint_inside_compiled_function_breaks_no_more_than_torch() -> None
     """Inside a compiled function, checkpoint breaks the graph at most as often as torch's."""
     theirs, _ = checkpoint_graph_breaks(torch_checkpoint)
     assert theirs == 0  # torch's checkpoint is one higher-order op in the graph
-    ours, _ = checkpoint_graph_breaks(tensorhooks.checkpoint)
+    ours, _ = checkpoint_graph_breaks(_ours)
     assert ours <= theirs
 
 
@@ -346,9 +350,7 @@ def test_checkpoint_under_fullgraph_compiles() -> None:
     """Under fullgraph=True checkpoint compiles as torch's does, with the eager gradient."""
     dynamo.reset()
     x = torch.linspace(-1.0, 1.0, 5, requires_grad=True)
-    compiled = torch.compile(
-        checkpoint_program(tensorhooks.checkpoint), backend="aot_eager", fullgraph=True
-    )
+    compiled = torch.compile(checkpoint_program(_ours), backend="aot_eager", fullgraph=True)
     (got,) = torch.autograd.grad(compiled(x).sum(), [x])
     (eager,) = torch.autograd.grad(checkpoint_program(lambda f, y: f(y))(x).sum(), [x])
     torch.testing.assert_close(got, eager)
@@ -367,7 +369,7 @@ def test_selective_checkpoint_inside_compiled_function() -> None:
         )
 
     context_fn = functools.partial(tensorhooks.create_selective_checkpoint_contexts, policy)
-    run = checkpoint_program(functools.partial(tensorhooks.checkpoint, context_fn=context_fn))
+    run = checkpoint_program(functools.partial(_ours, context_fn=context_fn))
     x = torch.linspace(-1.0, 1.0, 5, requires_grad=True)
     (eager,) = torch.autograd.grad(checkpoint_program(lambda f, y: f(y))(x).sum(), [x])
     dynamo.reset()

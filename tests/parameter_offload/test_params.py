@@ -428,7 +428,7 @@ class CheckpointedBlock(nn.Module):
         return torch.tanh(self.norm(self.linear(x)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return th.checkpoint(self.layers, x)  # type: ignore[no-any-return]
+        return th.checkpoint(self.layers, x, use_reentrant=False)  # type: ignore[no-any-return]
 
 
 class TestComposition:

@@ -77,7 +77,9 @@ def cpu_variants() -> dict[str, Callable[[], None]]:
         "torch checkpoint": _checkpointed_step(
             model, batch, partial(torch_checkpoint.checkpoint, use_reentrant=False)
         ),
-        "ours checkpoint": _checkpointed_step(model, batch, tensorhooks.checkpoint),
+        "ours checkpoint": _checkpointed_step(
+            model, batch, partial(tensorhooks.checkpoint, use_reentrant=False)
+        ),
     }
     # One layer's weight and bias per bucket: 100 parameters in 50 buckets, hooks kept registered.
     for name, register in (

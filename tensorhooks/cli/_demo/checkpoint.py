@@ -56,6 +56,11 @@ def _checkpointed(
 
 _torch_checkpoint = partial(torch_checkpoint.checkpoint, use_reentrant=False)
 
+
+def _checkpoint(function: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
+    return tensorhooks.checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+
 # ---------------------------------------------------------------------------------------------
 # a write inside the region
 
@@ -80,10 +85,10 @@ def _write(demo: Demo) -> Result:
     with torch_graph.allow_mutation_on_saved_tensors():  # torch's own answer for the write
         expected = _write_inside_region(lambda function, *args: function(*args))
     theirs = _checkpointed(demo.model, _torch_checkpoint)
-    ours = _checkpointed(demo.model, tensorhooks.checkpoint)
+    ours = _checkpointed(demo.model, _checkpoint)
     return Result(
         gradient_or_error(partial(_write_inside_region, _torch_checkpoint), expected),
-        gradient_or_error(partial(_write_inside_region, tensorhooks.checkpoint), expected),
+        gradient_or_error(partial(_write_inside_region, _checkpoint), expected),
         demo.ratio(
             demo.step(contextlib.nullcontext, theirs), demo.step(contextlib.nullcontext, ours)
         ),
@@ -118,9 +123,7 @@ def _written_state(demo: Demo) -> Result:
     right = "the gradient without checkpointing (the state replayed as it was)"
     return Result(
         gradient_or_error(partial(_spectral_norm_grad, _torch_checkpoint), expected),
-        gradient_or_error(
-            partial(_spectral_norm_grad, tensorhooks.checkpoint), expected, right=right
-        ),
+        gradient_or_error(partial(_spectral_norm_grad, _checkpoint), expected, right=right),
     )
 
 
@@ -153,7 +156,7 @@ def _grad(demo: Demo) -> Result:
             raising_is_right=False,
         ),
         gradient_or_error(
-            partial(_grad_through, tensorhooks.checkpoint),
+            partial(_grad_through, _checkpoint),
             reference,
             raising_is_right=False,
             right="the gradient without checkpointing",
@@ -223,7 +226,7 @@ def _offload_policy(demo: Demo) -> Result:
     """A selective policy asks to offload matmuls; does backward run them again?"""
     return Result(
         _matmuls_run_again(_torch_checkpoint, demo),
-        _matmuls_run_again(tensorhooks.checkpoint, demo),
+        _matmuls_run_again(_checkpoint, demo),
     )
 
 
