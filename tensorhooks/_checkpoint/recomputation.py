@@ -31,6 +31,7 @@ from tensorhooks._core.torch_compat import (
 )
 
 from .arguments import Arguments
+from .reads import RecomputedReads
 from .replay import RegionState
 from .state import OutsideState, Substitution
 
@@ -152,13 +153,23 @@ class _Holder(SavedCopy):
 class _Recomputation:
     """One graph task's recomputation of one region: the tensors kept, by position."""
 
-    __slots__ = ("count", "done", "ignore_mismatch", "kept", "lock", "substitution", "tensors")
+    __slots__ = (
+        "count",
+        "done",
+        "ignore_mismatch",
+        "kept",
+        "lock",
+        "reads",
+        "substitution",
+        "tensors",
+    )
 
     def __init__(self) -> None:
         self.tensors: dict[int, torch.Tensor] = {}
         self.kept: list[tuple[torch.Tensor, int]] = []
         # What recomputation reads instead of tensors from elsewhere (see state.py).
         self.substitution: Substitution | None = None
+        self.reads: RecomputedReads | None = None  # checked against the forward pass's (state.py)
         self.count = 0
         self.done = False
         self.ignore_mismatch = False
@@ -240,10 +251,11 @@ class Frame:
         self.forward_completed = True
         if self.outside is not None:
             alive = [
-                (tensor, version) for ref, version in self.saved if (tensor := ref()) is not None
+                (index, tensor, version)
+                for index, (ref, version) in enumerate(self.saved)
+                if (tensor := ref()) is not None
             ]
-            outputs = output if isinstance(output, (tuple, list)) else (output,)
-            self.outside.seal(alive, outputs)
+            self.outside.seal(alive, output)
         self.saved = []
 
     def recompute(self, state: _Recomputation) -> None:
@@ -273,6 +285,7 @@ class Frame:
             contextlib.nullcontext() if state.substitution is None else state.substitution.mode()
         )
         guard = contextlib.nullcontext() if windows is None else windows.mode()
+        state.reads = None if self.outside is None else self.outside.reads(tensors)
         _recomputing.depth += 1
         try:
             with (
@@ -290,6 +303,9 @@ class Frame:
             pop_saved_tensors_hooks()
             if state.substitution is not None:
                 state.substitution.restore_versions()
+        if state.reads is not None:
+            reads, state.reads = state.reads, None
+            reads.check()  # See NOTE [Reads recorded as the region runs] in reads.py
 
     def _check(self, state: _Recomputation) -> None:
         if state.ignore_mismatch:
@@ -335,6 +351,8 @@ def _keep_recomputed(frame: Frame, state: _Recomputation, tensor: torch.Tensor) 
             f"the forward pass ({total}). The checkpointed function must run the same ops both "
             "times."
         )
+    if state.reads is not None:
+        state.reads.saved(index, tensor)
     kept = tensor.detach() if tensor.requires_grad else tensor
     if state.substitution is not None:
         kept = state.substitution.saved(kept)

@@ -27,6 +27,15 @@ from tensorhooks._core.torch_compat import (
     storage_key,
 )
 
+from .reads import (
+    RecomputedReads,
+    describe,
+    graph_leaves,
+    not_written_message,
+    replaced_message,
+    watch_optimizer_steps,
+)
+
 __all__ = ["OutsideState", "Substitution"]
 
 # NOTE [Tensors a region reaches outside its arguments]
@@ -66,12 +75,16 @@ __all__ = ["OutsideState", "Substitution"]
 # context raises autograd's in-place error naming it (plain autograd raises too when it saved
 # the tensor; a silently recomputed new value is never used), and a weight that the region
 # itself wrote (``nn.Embedding(max_norm=...)``) raises a `CheckpointError` naming it, since its
-# value before the write was never copied. Not seen: tensors reached through globals or deeper
-# objects and never saved (the Limits section of docs/checkpoint.md). Cost: one version read per
-# watched tensor per call, clones of the state a module holds, and the dispatch mode only in
-# recomputations that substitute something.
+# value before the write was never copied. The walk is one way to find what the region reads;
+# the other records it as the region runs (the tensors it saves, the leaves of its graph), and
+# holds recomputation to the same tensors: NOTE [Reads recorded as the region runs] in reads.py.
+# Cost: one version and one storage read per watched tensor per call, clones of the state a
+# module holds, a walk of the region's graph, and the dispatch mode only in recomputations that
+# substitute something.
 
 _MAX_DEPTH = 2  # closure -> partial -> module, at most
+_MAX_ITEMS = 64  # items of one container, attributes of one object: the walk runs every call
+_NOT_PLAIN = frozenset({"builtins", "typing", "abc", "functools"})
 
 
 class _Watched:
@@ -85,6 +98,7 @@ class _Watched:
         "ref",
         "start",
         "start_version",
+        "storage",
         "version",
         "written",
     )
@@ -94,6 +108,7 @@ class _Watched:
         self.ref = weakref.ref(tensor)
         self.version = tensor._version
         self.start_version = tensor._version
+        self.storage = storage_key(tensor)  # ``tensor.data = ...`` swaps it, moving no version
         self.aliases_input = False  # shares its storage with an argument of the region
         self.hidden = hidden  # torch may write it without moving its version
         self.handle: Any = None  # what the save guard's pack returned, inside allow_mutation
@@ -171,17 +186,40 @@ def _reached(name: str, value: object, depth: int) -> Iterator[_Found]:
         return
     elif isinstance(value, types.MethodType):
         yield from _reached(type(value.__self__).__name__, value.__self__, depth + 1)
-    elif isinstance(value, functools.partial):
-        yield from _reached(f"{name}.func", value.func, depth + 1)
-        for index, item in enumerate(value.args):
-            yield from _reached(f"{name}.args[{index}]", item, depth + 1)
-        for key, item in value.keywords.items():
-            yield from _reached(f"{name}.keywords[{key!r}]", item, depth + 1)
     elif isinstance(value, types.FunctionType):
         yield from _function_tensors(value, depth + 1)
-    elif isinstance(value, (list, tuple)):
-        for index, item in enumerate(value):
-            yield from _reached(f"{name}[{index}]", item, depth + 1)
+    else:
+        for label, item in _members(name, value):
+            yield from _reached(label, item, depth + 1)
+
+
+def _members(name: str, value: object) -> list[tuple[str, object]]:
+    """What a partial, a container or a plain object holds, each with its name; a few only."""
+    if isinstance(value, functools.partial):
+        return [
+            (f"{name}.func", value.func),
+            *((f"{name}.args[{index}]", item) for index, item in enumerate(value.args)),
+            *((f"{name}.keywords[{key!r}]", item) for key, item in value.keywords.items()),
+        ]
+    if isinstance(value, (list, tuple)):
+        return [(f"{name}[{index}]", item) for index, item in enumerate(value[:_MAX_ITEMS])]
+    if isinstance(value, dict):
+        return [(f"{name}[{key!r}]", item) for key, item in list(value.items())[:_MAX_ITEMS]]
+    if _is_plain_object(value):
+        return [(f"{name}.{key}", item) for key, item in list(vars(value).items())[:_MAX_ITEMS]]
+    return []
+
+
+def _is_plain_object(value: object) -> bool:
+    """An instance of a user's class, whose attributes the function may read."""
+    kind = type(value)
+    return (
+        hasattr(value, "__dict__")
+        and kind.__module__ not in _NOT_PLAIN
+        and not isinstance(
+            value, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)
+        )
+    )
 
 
 def _function_tensors(function: types.FunctionType, depth: int) -> Iterator[_Found]:
@@ -194,6 +232,14 @@ def _function_tensors(function: types.FunctionType, depth: int) -> Iterator[_Fou
         yield from _reached(name, value, depth)
     for index, value in enumerate(function.__defaults__ or ()):
         yield from _reached(f"default[{index}]", value, depth)
+    # The globals its code names: a module or a tensor defined at the top of a file.
+    names_in_code = function.__globals__
+    for name in function.__code__.co_names:
+        value = names_in_code.get(name)
+        if isinstance(value, (torch.Tensor, torch.nn.Module, list, tuple, dict)) or (
+            _is_plain_object(value)
+        ):
+            yield from _reached(name, value, depth)
 
 
 def reachable_state(function: Callable[..., Any]) -> list[_Found]:
@@ -211,9 +257,19 @@ def reachable_state(function: Callable[..., Any]) -> list[_Found]:
 class OutsideState:
     """The tensors one region call reaches outside its arguments. See NOTE [Tensors a region...]."""
 
-    __slots__ = ("_inputs", "_pair", "_skip", "_start", "watched")
+    __slots__ = (
+        "_function",
+        "_inputs",
+        "_pair",
+        "_skip",
+        "_slots",
+        "_start",
+        "positions",
+        "watched",
+    )
 
     def __init__(self, function: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> None:
+        watch_optimizer_steps()  # See NOTE [Reads recorded as the region runs]
         guard = current_save_guard()
         self._pair: tuple[PackHook, UnpackHook] | None = (
             guard.wrap(_identity, _identity) if guard.lets_saved_tensors_change else None
@@ -222,10 +278,18 @@ class OutsideState:
         self._inputs = [weakref.ref(t) for t in inputs]  # their storages are asked at seal only
         self._start = next_sequence_nr()  # nodes made from here on are the region's
         self.watched: list[_Watched] = []
+        self._function = function
+        # Where the walk found each tensor that requires no grad, to tell a replaced one in
+        # recomputation (the graph tells those that require grad).
+        self._slots: list[tuple[object, weakref.ref[torch.Tensor]]] = []
+        # Position of a save -> the tensor from outside the region saved there (or its base).
+        self.positions: dict[int, weakref.ref[torch.Tensor]] = {}
         # Inputs reached from the function too (a closure reading a tensor also passed as an
         # argument) are watched: recomputation reads them through the closure, not the argument.
         for name, tensor, hidden in reachable_state(function):
             self._watch(name, tensor, hidden=hidden, at_start=True)
+            if not tensor.requires_grad:
+                self._slots.append((_slot(name), self.watched[-1].ref))
 
     def _watch(
         self, name: str | _InModule, tensor: torch.Tensor, *, hidden: bool, at_start: bool
@@ -240,14 +304,16 @@ class OutsideState:
                 watched.start = tensor.clone()
         self.watched.append(watched)
 
-    def seal(self, saved: Sequence[tuple[torch.Tensor, int]], outputs: Sequence[object]) -> None:
-        """At the end of the forward pass: note what it wrote, and watch what it saved.
+    def seal(self, saved: Sequence[tuple[int, torch.Tensor, int]], output: object) -> None:
+        """At the end of the forward pass: note what it wrote, and watch what it read.
 
         ``saved``: the tensors the forward pass saved that are still alive, each with its
-        version when saved; those the region made (its outputs, or what a node of the region
-        produced) are the recomputation's own and are not watched.
+        position and its version when saved; those the region made (its outputs, or what a node
+        of the region produced) are the recomputation's own and are not watched. See NOTE
+        [Reads recorded as the region runs] in reads.py.
         """
-        self._skip.update(id(value) for value in outputs if isinstance(value, torch.Tensor))
+        outputs = _tensors_in(output)
+        self._skip.update(id(value) for value in outputs)
         for watched in self.watched:
             tensor = watched.ref()
             if tensor is None:
@@ -256,13 +322,18 @@ class OutsideState:
                 watched.written = True
                 watched.aliases_input = storage_key(tensor) in self._input_storages()
                 watched.version = tensor._version
+                watched.storage = storage_key(tensor)
             elif watched.start is not None:
                 watched.start = None  # not written: the tensor itself holds the value
         watched_storages: set[int | None] | None = None  # read only if a saved tensor needs it
-        for tensor, version in saved:
+        watched_ids = {id(watched.ref()) for watched in self.watched}
+        for index, tensor, version in saved:
             base = tensor if tensor._base is None else tensor._base
+            if id(base) in watched_ids:
+                self.positions[index] = weakref.ref(base)
             if id(base) in self._skip or self._made_here(base):
                 continue  # an input or an output, or made by the region
+            self.positions[index] = weakref.ref(base)
             if watched_storages is None:
                 watched_storages = {storage_key(alive) for alive in self._alive()}
             if storage_key(base) in watched_storages:
@@ -272,6 +343,23 @@ class OutsideState:
             if tensor._version != version:  # the region changed it after saving it
                 self.watched[-1].written = True
                 self.watched[-1].handle = None  # tracked too late to hold the saved value
+        for leaf in graph_leaves([tensor.grad_fn for tensor in outputs], self._start):
+            if id(leaf) not in self._skip:
+                self._watch(describe(leaf), leaf, hidden=False, at_start=False)
+
+    def reads(self, inputs: Sequence[torch.Tensor]) -> RecomputedReads:
+        """What one recomputation must read: checked as it saves, and when it ends."""
+        # Held, not only their ids, so no other tensor takes an id while recomputation runs. The
+        # region's own inputs are there too: a leaf input unpacked from its saved form is a new
+        # object whose graph leads to the input itself.
+        known = {id(tensor): tensor for tensor in self._alive()}
+        for ref in self._inputs:
+            tensor = ref()
+            if tensor is not None:
+                known[id(tensor)] = tensor
+                if tensor._base is not None:
+                    known[id(tensor._base)] = tensor._base
+        return RecomputedReads(self.positions, known, inputs)
 
     def _input_storages(self) -> set[int | None]:
         return {storage_key(tensor) for ref in self._inputs if (tensor := ref()) is not None}
@@ -291,6 +379,7 @@ class OutsideState:
                 and its value then was not kept.
             CheckpointError: if the forward pass wrote a weight it reached from outside.
         """
+        self._check_slots()
         values: list[tuple[torch.Tensor, torch.Tensor]] = []
         for watched in self.watched:
             tensor = watched.ref()
@@ -301,7 +390,19 @@ class OutsideState:
                 values.append((tensor, value))
         return Substitution(values) if values else None
 
+    def _check_slots(self) -> None:
+        """Raise if a tensor requiring no grad that the walk found was replaced in its slot."""
+        if not self._slots:
+            return
+        now = {_slot(name): tensor for name, tensor, _ in reachable_state(self._function)}
+        for slot, ref in self._slots:
+            tensor = now.get(slot)
+            if tensor is not None and tensor is not ref():
+                raise SavedTensorModifiedError(replaced_message(str(_name_of(slot)), tensor, ref()))
+
     def _value(self, watched: _Watched, tensor: torch.Tensor) -> torch.Tensor | None:
+        if storage_key(tensor) != watched.storage:
+            raise SavedTensorModifiedError(not_written_message(str(watched.name)))
         if watched.aliases_input and watched.written:
             # Written through the argument that shares its storage: reads of it before the
             # write and after it saw different values, which one replacement cannot give.
@@ -348,6 +449,28 @@ class OutsideState:
 
 def _identity(value: Any) -> Any:
     return value
+
+
+def _slot(name: str | _InModule) -> object:
+    """Where the walk found a tensor: a module's attribute, or a path of names."""
+    return (name.owner, name.attribute) if isinstance(name, _InModule) else name
+
+
+def _name_of(slot: object) -> str:
+    if isinstance(slot, tuple):
+        owner, attribute = slot
+        return f"{type(owner).__name__}.{attribute}"
+    return str(slot)
+
+
+def _tensors_in(output: object) -> list[torch.Tensor]:
+    """The tensors a region returned, also in lists, tuples and dicts (one level)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    items = output.values() if isinstance(output, dict) else output
+    if not isinstance(items, (list, tuple, type({}.values()))):
+        return []
+    return [item for item in items if isinstance(item, torch.Tensor)]
 
 
 def _over(storage: torch.UntypedStorage, like: torch.Tensor) -> torch.Tensor:
