@@ -153,6 +153,49 @@ def test_a_block_writing_its_input_names_the_block_and_the_op() -> None:
         th.profile_step(model, step, rounds=1)
 
 
+class CacheBlock(nn.Module):
+    """Appends to a cache it is handed (a KV cache) and reads all of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, cache: list[torch.Tensor] | None = None) -> torch.Tensor:
+        assert cache is not None
+        cache.append(self.linear(x))
+        return torch.cat(cache).tanh().sum(0, keepdim=True) * x
+
+
+class CachingModel(nn.Module):
+    """Two cache blocks sharing one cache per forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(CacheBlock() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cache: list[torch.Tensor] = []
+        for layer in self.layers:
+            x = layer(x, cache=cache)
+        return x
+
+
+def test_a_block_given_a_cache_names_use_cache() -> None:
+    """A block handed a cache it writes fails in recomputation: the error names use_cache=False."""
+    torch.manual_seed(0)
+    model = CachingModel()
+    x = torch.randn(4, 8)
+
+    def step() -> None:
+        model(x).sum().backward()
+
+    step()  # runs unplanned
+    with pytest.raises(
+        th.PlanStateError, match=r"block 0 \(CacheBlock\) runs with a KV cache.*use_cache=False"
+    ):
+        th.profile_step(model, step, rounds=1)
+
+
 def test_copies_inside_a_plan_are_plain_models() -> None:
     """A deepcopy (an EMA copy) and torch.save inside `with plan:` give models without the plan."""
     model, step = stack()
