@@ -67,6 +67,25 @@ def test_planning_leaves_state_dict_rng_and_grads_as_they_were() -> None:
     assert all(torch.equal(p.grad, grad) for p, grad in zip(model.parameters(), grads, strict=True))
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_planning_on_cuda_leaves_its_generator_as_it_was() -> None:
+    """The CUDA generator's state (dropout on the device) is put back too, with the buffers."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(NormBlock() for _ in range(3))).cuda()
+    x = torch.randn(8, 16, device="cuda")
+
+    def step() -> None:
+        model(x).square().mean().backward()
+
+    state = {name: value.clone() for name, value in model.state_dict().items()}
+    rng = torch.cuda.get_rng_state()
+    th.plan_activations(model, step, 0.6)
+    assert torch.equal(torch.cuda.get_rng_state(), rng)
+    after = model.state_dict()
+    assert all(torch.equal(after[name], value) for name, value in state.items())
+
+
 def test_a_step_that_changes_parameters_is_refused() -> None:
     """An optimizer step inside step changes the parameters: planning says it cannot undo that."""
     model, step = stack()
