@@ -144,6 +144,21 @@ def _written(func: OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> l
     return found
 
 
+_CACHES = ("cache", "layer_past", "past_key_value", "past_key_values")
+
+
+def _with_cache(module: nn.Module, kwargs: object) -> bool:
+    """Whether ``module`` (not a Hugging Face layer, whose cache a plan turns off) gets a cache.
+
+    See NOTE [Caches of Hugging Face layers] in `apply`.
+    """
+    if hasattr(type(module), "_can_checkpoint_with_cache") or not isinstance(kwargs, dict):
+        return False
+    if kwargs.get("use_cache") or any(kwargs.get(name) is not None for name in _CACHES):
+        return True
+    return getattr(getattr(module, "config", None), "use_cache", False) is True
+
+
 def _same(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
@@ -164,6 +179,7 @@ class StepWatch:
         self.graph = False
         self.inputs: list[tuple[int, set[int | None]]] = []  # blocks running: their inputs
         self.written: tuple[int, OpOverload] | None = None  # a block that wrote its input
+        self.cached: int | None = None  # a block called with a KV cache it may write
 
     def run(self, step: Callable[[], object]) -> None:
         """Call ``step`` (already wrapped as the caller wants it run), watched.
@@ -186,6 +202,8 @@ class StepWatch:
             self._check()  # the cause the step's own error may hide
             if self.written is not None:
                 raise PlanStateError(self._written_message()) from error
+            if self.cached is not None:
+                raise PlanStateError(self._cached_message()) from error
             raise
         finally:
             for handle in handles:
@@ -203,12 +221,25 @@ class StepWatch:
                 self.order.append(index)
                 keys = {storage_key(tensor) for tensor in tensors_in((args, kwargs), [])}
                 self.inputs.append((index, keys))
+                if self.cached is None and _with_cache(module, kwargs):
+                    self.cached = index
 
         return note
 
     def _post_hook(self, module: nn.Module, args: object, output: object) -> None:
         if current_graph_task_id() == -1 and not is_recomputing() and self.inputs:
             self.inputs.pop()
+
+    def _cached_message(self) -> str:
+        assert self.cached is not None
+        name = type(self.blocks[self.cached]).__name__
+        return (
+            f"{self.caller}: block {self.cached} ({name}) runs with a KV cache (use_cache=True, "
+            "or a cache argument), which its recomputation in backward writes again; call the "
+            "model with "
+            "use_cache=False in the step (or set model.config.use_cache = False), or plan the "
+            "model's layers (the default blocks), whose cache a plan turns off"
+        )
 
     def _written_message(self) -> str:
         assert self.written is not None

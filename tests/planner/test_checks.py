@@ -67,6 +67,25 @@ def test_planning_leaves_state_dict_rng_and_grads_as_they_were() -> None:
     assert all(torch.equal(p.grad, grad) for p, grad in zip(model.parameters(), grads, strict=True))
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_planning_on_cuda_leaves_its_generator_as_it_was() -> None:
+    """The CUDA generator's state (dropout on the device) is put back too, with the buffers."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(NormBlock() for _ in range(3))).cuda()
+    x = torch.randn(8, 16, device="cuda")
+
+    def step() -> None:
+        model(x).square().mean().backward()
+
+    state = {name: value.clone() for name, value in model.state_dict().items()}
+    rng = torch.cuda.get_rng_state()
+    th.plan_activations(model, step, 0.6)
+    assert torch.equal(torch.cuda.get_rng_state(), rng)
+    after = model.state_dict()
+    assert all(torch.equal(after[name], value) for name, value in state.items())
+
+
 def test_a_step_that_changes_parameters_is_refused() -> None:
     """An optimizer step inside step changes the parameters: planning says it cannot undo that."""
     model, step = stack()
@@ -149,6 +168,49 @@ def test_a_block_writing_its_input_names_the_block_and_the_op() -> None:
         th.PlanStateError,
         match=r"block 0 \(WritesInput\) writes its input in place \(aten\.mul_\.Tensor\).*"
         r"out of place",
+    ):
+        th.profile_step(model, step, rounds=1)
+
+
+class CacheBlock(nn.Module):
+    """Appends to a cache it is handed (a KV cache) and reads all of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, cache: list[torch.Tensor] | None = None) -> torch.Tensor:
+        assert cache is not None
+        cache.append(self.linear(x))
+        return torch.cat(cache).tanh().sum(0, keepdim=True) * x
+
+
+class CachingModel(nn.Module):
+    """Two cache blocks sharing one cache per forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(CacheBlock() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cache: list[torch.Tensor] = []
+        for layer in self.layers:
+            x = layer(x, cache=cache)
+        return x
+
+
+def test_a_block_given_a_cache_names_use_cache() -> None:
+    """A block handed a cache it writes fails in recomputation: the error names use_cache=False."""
+    torch.manual_seed(0)
+    model = CachingModel()
+    x = torch.randn(4, 8)
+
+    def step() -> None:
+        model(x).sum().backward()
+
+    step()  # runs unplanned
+    with pytest.raises(
+        th.PlanStateError, match=r"block 0 \(CacheBlock\) runs with a KV cache.*use_cache=False"
     ):
         th.profile_step(model, step, rounds=1)
 

@@ -121,18 +121,20 @@ def grads(model: nn.Module) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_plans_the_model_as_shipped(name: str) -> None:
-    """The config as shipped (use_cache=True where it is): the plan runs, gradients unchanged."""
+    """The config as shipped (use_cache=True where it is): the plan fits, gradients unchanged."""
     model, step = built(name)
     assert getattr(model.config, "use_cache", False) or name == "bert"
     torch.manual_seed(1)  # dropout (GPT-2, T5, BERT) draws the same numbers in both steps
     step()
     reference = grads(model)
     profile = th.profile_step(model, step, rounds=1)
-    plan = th.plan_activations(model, step, profile.checkpointed_peak_bytes, profile=profile)
+    plan = th.plan_activations(model, step, 0.6, profile=profile)
     assert any(block.checkpoint for block in plan.blocks)
     torch.manual_seed(1)
     with plan:
         step()
+    assert plan.measured_peak_bytes is not None
+    assert plan.measured_peak_bytes <= plan.budget_bytes
     ours = grads(model)
     assert len(ours) == len(reference)
     for mine, theirs in zip(ours, reference, strict=True):
