@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from .torch_compat import skip_code_in_dynamo
 
-__all__ = ["not_traced", "warn_compile_skipped"]
+__all__ = ["not_traced", "runs_eagerly", "warn_compile_skipped"]
 
 # NOTE [Contexts under torch.compile]
 #
@@ -37,6 +37,9 @@ __all__ = ["not_traced", "warn_compile_skipped"]
 # hooks live in files Dynamo skips. `torch_compat.push_saved_tensors_hooks`
 # makes every hook function of this package that it pushes skipped by Dynamo, with what it
 # calls (`skip_code_in_dynamo`); a user's hook called from one of ours runs eagerly with it.
+# The same holds for the other functions autograd calls back: the tensor hooks of
+# register_multi_grad_hook and the graph-task store's end-of-task callback and finalizer, run
+# by a backward called inside a compiled function, are marked with `runs_eagerly`.
 #
 # allow_mutation_on_saved_tensors works through a TorchDispatchMode, and Dynamo skips every
 # frame while a non-infra dispatch mode is active (torch's context included): a compiled
@@ -87,6 +90,17 @@ def _fresh_entry(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     entry.__code__ = entry.__code__.replace()  # a copy: same bytecode, its own identity
     return functools.wraps(fn)(entry)
+
+
+def runs_eagerly(fn: _F) -> _F:
+    """Make ``fn``, and all it calls, run eagerly when it is called while a compiled function runs.
+
+    For the functions autograd calls back (tensor hooks, end-of-task callbacks): Dynamo would
+    otherwise compile each as a function of its own. See NOTE [Contexts under torch.compile].
+    Every function made by one ``def`` shares its code object, so marking one marks them all.
+    """
+    skip_code_in_dynamo(fn.__code__)
+    return fn
 
 
 def warn_compile_skipped(what: str) -> None:

@@ -14,6 +14,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from .compile import runs_eagerly
 from .errors import GraphTaskError
 from .torch_compat import current_graph_task_id, queue_callback
 
@@ -172,6 +173,7 @@ class GraphTaskStore:
             finalizer = weakref.finalize(sentinel, self._drop, task_id, state)
             finalizer.atexit = False
 
+            @runs_eagerly  # See NOTE [Contexts under torch.compile]
             def end_of_task(sentinel: _Sentinel = sentinel) -> None:
                 try:
                     state._run_end_callbacks()
@@ -189,6 +191,7 @@ class GraphTaskStore:
             self._tasks[task_id] = state
             return state
 
+    @runs_eagerly  # a finalizer: it may run while a compiled function runs
     def _drop(self, task_id: int, state: GraphTaskState) -> None:
         """Forget a task that ended and empty its state.
 

@@ -342,7 +342,9 @@ _FRAME_SKIP: Any = _required(torch, "_C._dynamo.eval_frame._FrameAction.SKIP", "
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_seen_hook_code: set[Any] = set()
+# Code objects seen by `push_saved_tensors_hooks`, by id (a code object hashes its bytecode and
+# constants on every lookup), each held so that its id is never reused.
+_seen_hook_code: dict[int, Any] = {}
 
 
 def push_saved_tensors_hooks(pack: Callable[..., Any], unpack: Callable[..., Any]) -> None:
@@ -352,13 +354,18 @@ def push_saved_tensors_hooks(pack: Callable[..., Any], unpack: Callable[..., Any
     compiled function runs (see `skip_code_in_dynamo`), as torch's are: torch's hooks live in
     files Dynamo skips. See NOTE [Contexts under torch.compile] in `_core/compile.py`.
     """
-    for hook in (pack, unpack):
-        code = getattr(hook, "__code__", None)
-        if code is not None and code not in _seen_hook_code:
-            _seen_hook_code.add(code)
-            if code.co_filename.startswith(_PACKAGE_DIR):  # a user's function is left alone
-                skip_code_in_dynamo(code)
+    pack_code = getattr(pack, "__code__", None)
+    unpack_code = getattr(unpack, "__code__", None)
+    if id(pack_code) not in _seen_hook_code or id(unpack_code) not in _seen_hook_code:
+        _mark_hook_code(pack_code)
+        _mark_hook_code(unpack_code)
     _push_saved_tensors_hooks(pack, unpack)
+
+
+def _mark_hook_code(code: Any) -> None:
+    _seen_hook_code[id(code)] = code
+    if code is not None and code.co_filename.startswith(_PACKAGE_DIR):  # a user's code: left
+        skip_code_in_dynamo(code)
 
 
 def skip_code_in_dynamo(code: Any) -> None:

@@ -13,6 +13,7 @@ from typing import Literal, cast
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from tensorhooks._core.compile import runs_eagerly
 from tensorhooks._core.errors import HookArgumentTypeError, HookArgumentValueError
 from tensorhooks._core.graph import grad_node
 from tensorhooks._core.store import GraphTaskState, graph_task_store
@@ -154,6 +155,7 @@ def _register_all(
         return state
 
     def make_hook(positions: tuple[int, ...]) -> Callable[[torch.Tensor], None]:
+        @runs_eagerly  # See NOTE [Contexts under torch.compile]
         def hook(grad: torch.Tensor) -> None:
             task = current()
             state: _AllState = task.peek(key) or new_state(task)
@@ -178,6 +180,7 @@ def _register_any(
     key = object()
 
     @functools.wraps(fn)
+    @runs_eagerly  # See NOTE [Contexts under torch.compile]
     def hook(grad: torch.Tensor) -> None:
         task = graph_task_store.current()
         claim = object()

@@ -244,6 +244,47 @@ def test_context_around_a_model_counts_no_more_than_torch(
         torch.testing.assert_close(mine, torchs)
 
 
+def multi_grad_counts(register: Callable[..., Any], mode: str) -> tuple[dict[str, int], list[Any]]:
+    """Dynamo's counts for a compiled step running backward under a multi-grad hook; fn's calls."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    calls: list[Any] = []
+    handle = register(list(model.parameters()), calls.append, mode=mode)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss.detach()
+
+    x = torch.randn(4, 8)
+    dynamo.reset()
+    counters.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.compile(step, backend="aot_eager")(x)
+        counts = {
+            "graph_break": sum(counters["graph_break"].values()),
+            "unique_graphs": counters["stats"]["unique_graphs"],
+        }
+        dynamo.reset()
+        explanation = dynamo.explain(step)(x)
+    handle.remove()
+    counts["explain_breaks"] = max(explanation.graph_break_count, 0)
+    counts["explain_graphs"] = explanation.graph_count
+    return counts, calls
+
+
+@pytest.mark.parametrize("mode", ["all", "any"])
+def test_multi_grad_hook_under_backward_in_compiled_function(mode: str) -> None:
+    """Backward inside a compiled function: no count above torch's hook, the same calls of fn."""
+    ours, our_calls = multi_grad_counts(tensorhooks.register_multi_grad_hook, mode)
+    theirs, their_calls = multi_grad_counts(torch_graph.register_multi_grad_hook, mode)
+    assert all(ours[key] <= theirs[key] for key in theirs), (ours, theirs)
+    assert len(our_calls) == len(their_calls) == 2  # the compiled call, then explain's
+    for mine, torchs in zip(our_calls, their_calls, strict=True):
+        torch.testing.assert_close(mine, torchs)
+
+
 def mutating_step(make: Make) -> Callable[[torch.Tensor], torch.Tensor]:
     """Changes a saved tensor in place, then runs backward, all inside the compiled function."""
 
