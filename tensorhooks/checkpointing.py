@@ -34,6 +34,7 @@ from torch.utils.checkpoint import (
 
 from ._checkpoint import (
     checkpoint,
+    checkpoint_module,
     checkpoint_sequential,
     create_selective_checkpoint_contexts,
     noop_context_fn,
@@ -57,6 +58,7 @@ __all__ = [
     "SelectiveCheckpointContext",
     "check_backward_validity",
     "checkpoint",
+    "checkpoint_module",
     "checkpoint_sequential",
     "create_selective_checkpoint_contexts",
     "detach_variable",

@@ -6,8 +6,10 @@
 - `replay`: the RNG, autocast and default-device state replayed in recomputation.
 - `policies`: selective checkpointing, each op saved, recomputed or offloaded.
 - `sequential`: `checkpoint_sequential`, a sequence cut into checkpointed segments.
+- `module`: `checkpoint_module`, a module's forward checkpointed from its hooks.
 """
 
+from .module import checkpoint_module
 from .policies import create_selective_checkpoint_contexts
 from .recomputation import is_recomputing
 from .region import checkpoint, noop_context_fn
@@ -15,6 +17,7 @@ from .sequential import checkpoint_sequential
 
 __all__ = [
     "checkpoint",
+    "checkpoint_module",
     "checkpoint_sequential",
     "create_selective_checkpoint_contexts",
     "is_recomputing",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any, TypeVar, overload
 
 import torch
@@ -32,7 +32,7 @@ from .recomputation import DETERMINISM_CHECKS, Frame, raise_changed_input, unpac
 from .replay import RegionState, device_initialized
 from .state import OutsideState
 
-__all__ = ["checkpoint", "noop_context_fn"]
+__all__ = ["checkpoint", "end_region", "noop_context_fn", "region_steps"]
 
 _R = TypeVar("_R")
 
@@ -273,6 +273,39 @@ def _checkpoint_with(
 ) -> Any:
     if torch.compiler.is_compiling():  # See NOTE [Checkpointing under torch.compile]
         return _torch_checkpoint(function, args, kwargs, options)
+    steps = region_steps(function, args, kwargs, options)
+    if steps is None:
+        return function(*args, **kwargs)
+    next(steps)
+    try:
+        output = function(*args, **kwargs)
+    except BaseException as error:
+        steps.throw(error)  # the forward context sees it, the hooks are popped
+        raise
+    return end_region(steps, output)
+
+
+def end_region(steps: Generator[None, Any, Any], output: Any) -> Any:
+    """End a region `region_steps` started, ``output`` being what its function returned."""
+    try:
+        steps.send(output)
+    except StopIteration as stop:
+        return stop.value
+    raise AssertionError("a region's steps end once the output is sent")  # pragma: no cover
+
+
+def region_steps(
+    function: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    options: dict[str, Any],
+) -> Generator[None, Any, Any] | None:
+    """A region's checks, then its steps: started, it runs until the function is to run.
+
+    Send the function's output to end it (`end_region`), throw the function's error into it,
+    or close it. None where grad is disabled: the function just runs. For a caller that does not
+    call the function itself (`checkpoint_module`'s hooks around a module's forward).
+    """
     preserve_rng_state: bool = options["preserve_rng_state"]
     context_fn: Callable[[], tuple[Any, ...]] = options["context_fn"]
     determinism_check: str = options["determinism_check"]
@@ -302,7 +335,7 @@ def _checkpoint_with(
         if tools is not None:
             context_fn, error_cb = tools
     if not torch.is_grad_enabled():
-        return function(*args, **kwargs)
+        return None
     return _run_region(
         function,
         args,
@@ -316,7 +349,7 @@ def _checkpoint_with(
     )
 
 
-def _run_region(
+def _run_region(  # See region_steps
     function: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -327,7 +360,7 @@ def _run_region(
     early_stop: bool,
     error_cb: Callable[[Exception], Any] | None,
     respect_hooks: bool,
-) -> Any:
+) -> Generator[None, Any, Any]:
     forward_context, recompute_context = adopt_contexts(*context_fn())
     tensors: list[torch.Tensor] = []
     arguments = Arguments(args, kwargs, tensors)
@@ -359,7 +392,7 @@ def _run_region(
         push_saved_tensors_hooks(pack, unpack)
         try:
             with forward_context:
-                output = function(*args, **kwargs)
+                output = yield
         finally:
             pop_saved_tensors_hooks()
     frame.seal(output)

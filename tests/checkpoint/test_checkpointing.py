@@ -20,6 +20,7 @@ from tests.checkpoint.common import assert_same, block_of, input_tensor, weights
 # The names tensorhooks implements; every other one is torch's own object.
 OURS = {
     "checkpoint": tensorhooks.checkpoint,
+    "checkpoint_module": None,  # tensorhooks' only: the counterpart of torch's composable form
     "checkpoint_sequential": None,
     "create_selective_checkpoint_contexts": tensorhooks.create_selective_checkpoint_contexts,
     "noop_context_fn": None,
