@@ -5,12 +5,14 @@
 - `arguments`: the tensors among a call's arguments, saved as inputs and put back.
 - `replay`: the RNG, autocast and default-device state replayed in recomputation.
 - `policies`: selective checkpointing, each op saved, recomputed or offloaded.
+- `state`, `reads`: what a region reads outside its arguments, and recomputation held to it.
 - `sequential`: `checkpoint_sequential`, a sequence cut into checkpointed segments.
 - `module`: `checkpoint_module`, a module's forward checkpointed from its hooks.
 """
 
 from .module import checkpoint_module
 from .policies import create_selective_checkpoint_contexts
+from .reads import watch_optimizer_steps
 from .recomputation import is_recomputing
 from .region import checkpoint, noop_context_fn
 from .sequential import checkpoint_sequential
@@ -23,3 +25,5 @@ __all__ = [
     "is_recomputing",
     "noop_context_fn",
 ]
+
+watch_optimizer_steps()  # fused optimizer steps move versions: NOTE [Reads recorded as ...]

@@ -55,7 +55,7 @@ __all__ = [
 # Fused optimizers (``torch.optim.Adam(fused=True)`` and the others with a ``fused`` option)
 # write the parameters without moving their version counters, which no version check can see.
 # A global post-step hook of torch.optim moves the versions of the parameters a fused step wrote,
-# as the for-loop and foreach implementations do. Installed with the first checkpoint call.
+# as the for-loop and foreach implementations do. Installed when tensorhooks is imported.
 #
 # Not recorded: a tensor that requires no grad, is not saved, and is reached other than by the
 # walk (a frozen bias held in a global). Its value reaches backward only through the tensors
@@ -196,8 +196,8 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
 def watch_optimizer_steps() -> None:
     """Install, once, the post-step hook that makes fused steps visible to version checks.
 
-    Only once torch.optim is imported (an optimizer exists only then): importing it here would
-    cost every program that checkpoints without one.
+    ``import torch`` imports torch.optim's optimizer module; were a build not to, no optimizer
+    could exist yet, and each region's start tries again (one check of a list once installed).
     """
     if _handle or _OPTIMIZER not in sys.modules:
         return

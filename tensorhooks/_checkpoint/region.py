@@ -158,8 +158,9 @@ def checkpoint(
             in place, inside the function or after the call (outside
             ``allow_mutation_on_saved_tensors``).
         SavedTensorModifiedError: in backward, if a tensor the function reads from elsewhere (a
-            closure, a module attribute) and saved was changed in place before recomputation
-            read it again (a ``RuntimeError`` with autograd's message).
+            closure, a module attribute, a dict, a global) was changed in place, had its data
+            swapped, or was replaced by another tensor before recomputation read it again (a
+            ``RuntimeError``).
 
     Nesting and threads: regions nest (the innermost manages its tensors, its inputs are saved
     by the enclosing one). Backward calls may run on several threads at once over the same or

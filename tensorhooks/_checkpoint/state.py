@@ -17,6 +17,7 @@ from torch.utils.checkpoint import CheckpointError
 
 from tensorhooks._core.errors import SavedTensorModifiedError
 from tensorhooks._core.guards import PackHook, UnpackHook, current_save_guard, modified_message
+from tensorhooks._core.moves import moves
 from tensorhooks._core.torch_compat import (
     TorchDispatchMode,
     below_python_modes,
@@ -94,6 +95,7 @@ class _Watched:
         "aliases_input",
         "handle",
         "hidden",
+        "moves",
         "name",
         "ref",
         "start",
@@ -109,6 +111,7 @@ class _Watched:
         self.version = tensor._version
         self.start_version = tensor._version
         self.storage = storage_key(tensor)  # ``tensor.data = ...`` swaps it, moving no version
+        self.moves = moves(tensor)  # swaps for an equal copy (`offload_parameters`) are counted
         self.aliases_input = False  # shares its storage with an argument of the region
         self.hidden = hidden  # torch may write it without moving its version
         self.handle: Any = None  # what the save guard's pack returned, inside allow_mutation
@@ -269,7 +272,7 @@ class OutsideState:
     )
 
     def __init__(self, function: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> None:
-        watch_optimizer_steps()  # See NOTE [Reads recorded as the region runs]
+        watch_optimizer_steps()  # installed at import; see NOTE [Reads recorded as the region runs]
         guard = current_save_guard()
         self._pair: tuple[PackHook, UnpackHook] | None = (
             guard.wrap(_identity, _identity) if guard.lets_saved_tensors_change else None
@@ -401,7 +404,7 @@ class OutsideState:
                 raise SavedTensorModifiedError(replaced_message(str(_name_of(slot)), tensor, ref()))
 
     def _value(self, watched: _Watched, tensor: torch.Tensor) -> torch.Tensor | None:
-        if storage_key(tensor) != watched.storage:
+        if storage_key(tensor) != watched.storage and moves(tensor) == watched.moves:
             raise SavedTensorModifiedError(not_written_message(str(watched.name)))
         if watched.aliases_input and watched.written:
             # Written through the argument that shares its storage: reads of it before the

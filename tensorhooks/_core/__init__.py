@@ -8,4 +8,5 @@
 - `compile`: how contexts behave under ``torch.compile``.
 - `late_grads`: parameters whose ``.grad`` lands at the end of backward.
 - `blocks`: the blocks of a model (its repeated children) and the checks of a block list.
+- `moves`: a tensor's data swapped for an equal copy, counted for the checks of storages.
 """

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from tensorhooks._core.moves import note_moved
+
 from .transfers import ParameterTransfer
 
 if TYPE_CHECKING:
@@ -139,6 +141,7 @@ class Slot:
         """Make ``host`` the tensor's data again (its signature is known already)."""
         self.tensor.data = self.host
         self.signature = self.host_signature
+        note_moved(self.tensor)
 
     def replaced(self) -> bool:
         """Whether the tensor's data was replaced since `assign` (by ``.data = ...``)."""
@@ -183,6 +186,7 @@ class Slot:
         self.device, self.dirty, self.parked = copy, False, False
         self.device_version = self.tensor._version
         self.assign(copy)
+        note_moved(self.tensor)  # the same values: a checkpoint's storage check lets it pass
 
     def write_back(self, transfer: ParameterTransfer) -> None:
         """Copy the installed value to ``host`` where it may differ, and make ``host`` the data."""

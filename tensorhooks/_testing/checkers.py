@@ -7,6 +7,7 @@ NOTE [Rounding, not wrong gradients] for how gradients are compared.
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, NoReturn
@@ -39,6 +40,8 @@ __all__ = [
 ContextFactory = Callable[[], AbstractContextManager[Any]]
 Results = list[torch.Tensor | None]
 _INPLACE_ERROR = "modified by an inplace operation"
+# tensorhooks.checkpoint's words for a tensor it read that was replaced, or had its data swapped.
+_REPLACED_ERRORS = ("recomputation read a different tensor", "was replaced between the forward")
 # Keywords of torch's checkpoint (and tensorhooks'), which a region's function never sees.
 _CHECKPOINT_KEYWORDS = (
     "context_fn",
@@ -63,7 +66,10 @@ class Outcome:
     @property
     def inplace_error(self) -> bool:
         """Whether the run raised autograd's in-place error (or one worded like it)."""
-        return isinstance(self.error, RuntimeError) and _INPLACE_ERROR in str(self.error)
+        message = str(self.error)
+        return isinstance(self.error, RuntimeError) and (
+            _INPLACE_ERROR in message or any(words in message for words in _REPLACED_ERRORS)
+        )
 
     def __str__(self) -> str:
         if self.error is not None:
@@ -201,10 +207,14 @@ class _Inline:
     versions before the call; the tensors in the function's closure, versions after the call,
     so that state the region writes itself does not count), or a region under a selective
     policy (``context_fn``) that writes in place (a saved output written later is refused).
+    It notes too what the function reached through its closure and globals (and the lists,
+    tuples, dicts, objects and modules there), to tell one of those replaced or its data
+    swapped since the call.
     """
 
     def __init__(self) -> None:
         self.read: list[tuple[torch.Tensor, int]] = []
+        self.reached: list[tuple[Callable[..., Any], list[tuple[torch.Tensor, int]]]] = []
         self.policy_writes = False
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -218,12 +228,52 @@ class _Inline:
         for cell in getattr(function, "__closure__", None) or ():
             with contextlib.suppress(ValueError):  # an empty cell
                 self.read.extend((t, t._version) for t in tensors_in([cell.cell_contents]))
+        self.reached.append((function, _reached(function)))
         return result
 
     @property
     def explains_inplace_error(self) -> bool:
-        """Whether a region read a tensor written later, or wrote in place under a policy."""
-        return self.policy_writes or any(t._version != version for t, version in self.read)
+        """Whether a region read a tensor changed later, or wrote in place under a policy."""
+        return (
+            self.policy_writes
+            or any(t._version != version for t, version in self.read)
+            or any(_changed(before, _reached(function)) for function, before in self.reached)
+        )
+
+
+def _reached(function: Callable[..., Any]) -> list[tuple[torch.Tensor, int]]:
+    """The tensors ``function`` reaches by its closure and the globals it names, with storages."""
+    values: list[Any] = []
+    for cell in getattr(function, "__closure__", None) or ():
+        with contextlib.suppress(ValueError):  # an empty cell
+            values.append(cell.cell_contents)
+    code, names = getattr(function, "__code__", None), getattr(function, "__globals__", {})
+    values.extend(names[name] for name in (code.co_names if code else ()) if name in names)
+    return [(t, t.untyped_storage().data_ptr()) for t in _held(values, 0)]
+
+
+def _held(value: Any, depth: int) -> Iterator[torch.Tensor]:
+    """The tensors ``value`` is or holds: containers, modules, plain objects, a few levels."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, torch.nn.Module):
+        yield from value.parameters()
+        yield from value.buffers()
+    elif depth < 3 and isinstance(value, list | tuple):
+        for item in value:
+            yield from _held(item, depth + 1)
+    elif depth < 3 and isinstance(value, dict):
+        for item in value.values():
+            yield from _held(item, depth + 1)
+    elif depth < 3 and isinstance(value, types.SimpleNamespace):
+        yield from _held(vars(value), depth + 1)
+
+
+def _changed(before: list[tuple[torch.Tensor, int]], now: list[tuple[torch.Tensor, int]]) -> bool:
+    return len(before) != len(now) or any(
+        a is not b or pointer_a != pointer_b
+        for (a, pointer_a), (b, pointer_b) in zip(before, now, strict=True)
+    )
 
 
 class _Writes(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from .drawing import SHAPE, Scope, alias, compute, pick, write
 from .errors import CheckArgumentValueError
+from .reached import change
 from .regions import REGION_KINDS, draw_region, policy_source
 
 __all__ = ["BACKWARDS", "REGION_KINDS", "Program", "SavedOutputExp", "Square", "programs"]
@@ -142,6 +143,8 @@ class _Builder:
         self.outside_reads: list[int] = []  # values regions read outside their arguments
         self.writes_state = False  # whether a region writes state
         self.uses_policy = False  # whether a region takes the selective policy
+        self.n_leaves = n_leaves
+        self.rebinds: list[tuple[str, int]] = []  # how to bind a new tensor where regions read
 
     def add_value(self, expr: str, dummy: torch.Tensor, requires_grad: bool) -> None:
         """Append ``v<n> = expr`` and its term of the loss."""
@@ -235,9 +238,12 @@ def programs(
             those kinds: "aliasing" (arguments alias each other),
             "inplace" (the region writes its arguments and intermediates in place), "outside"
             (it reads an earlier value through a view it makes, as ``nn.Linear`` reads its
-            weight), "policy" (a random selective checkpoint policy), "state" (it writes state
-            in place, a buffer or a counter, and reads it back); an empty collection draws
-            regions of plain ops on their arguments only.
+            weight), "policy" (a random selective checkpoint policy), "reached" (it reads a
+            value through a list, tuple, dict, plain object, global, module or ModuleDict, and
+            the program binds a new tensor there, swaps its data or steps an optimizer of each
+            implementation before backward), "state" (it writes state in place, a buffer or a
+            counter, and reads it back); an empty collection draws regions of plain ops on
+            their arguments only.
         backwards: which backward variants programs run, among "backward",
             "inputs" (``backward(inputs=...)``), "grad" (``torch.autograd.grad``), "twice"
             (``backward(retain_graph=True)`` then ``backward()``) and "double" (a double
@@ -289,7 +295,9 @@ def _programs(
     seed = draw(st.integers(0, 2**16))
     builder = _Builder(draw, n_leaves, writes=writes, kinds=kinds)
     for _ in range(draw(st.integers(1, max_steps))):
-        if writes and draw(st.integers(0, 2)) == 0:
+        if writes and "reached" in builder.kinds and draw(st.integers(0, 3)) == 0:
+            change(builder)
+        elif writes and draw(st.integers(0, 2)) == 0:
             _write(builder)
         elif builder.with_regions and draw(st.integers(0, 2)) == 0:
             draw_region(builder)
@@ -310,6 +318,8 @@ def _programs(
 
 def _source(builder: _Builder, n_leaves: int, seed: int, body: list[str], draw: st.DrawFn) -> str:
     imports = ["import torch"]
+    if "reached" in builder.kinds:
+        imports.append("import types")
     if builder.regions:
         imports.append("from tensorhooks import checkpoint")
     policy: list[str] = []

@@ -11,6 +11,7 @@ import torch
 from hypothesis import strategies as st
 
 from .drawing import Scope, alias, binary, compute, pick, write
+from .reached import reach
 
 __all__ = ["POLICY_CHOICES", "REGION_KINDS", "Region", "draw_region", "policy_source"]
 
@@ -35,10 +36,15 @@ __all__ = ["POLICY_CHOICES", "REGION_KINDS", "Region", "draw_region", "policy_so
 #   - "state": the region writes state in place (``const``, a scalar ``count``, or a value that
 #     needs no gradient) under ``no_grad``, and often reads it back right after: a buffer
 #     written then read, read (saved) then written, a counter. The program then also returns
-#     ``const`` and ``count``, so state written twice is seen even where no gradient reads it.
+#     ``const`` and ``count``, so state written twice is seen even where no gradient reads it;
+#   - "reached": an op reads an earlier value through a holder (a list, a tuple, a dict, a
+#     plain object, a global, a module, a ModuleDict), and the program changes what regions
+#     read between their forward pass and backward: a new tensor bound in the holder or the
+#     closure, swapped data, optimizer steps of each implementation. See NOTE [Reached,
+#     replaced, stepped] in reached.py.
 # Writes inside a region ("inplace", "state") are drawn only for programs drawn with writes.
 
-REGION_KINDS = ("aliasing", "inplace", "outside", "policy", "state")
+REGION_KINDS = ("aliasing", "inplace", "outside", "policy", "reached", "state")
 POLICY_CHOICES = (
     "MUST_SAVE",
     "PREFER_SAVE",
@@ -62,6 +68,8 @@ class Region(Protocol):
     outside_reads: list[int]
     writes_state: bool
     uses_policy: bool
+    n_leaves: int
+    rebinds: list[tuple[str, int]]
 
     def add_value(self, expr: str, dummy: torch.Tensor, requires_grad: bool) -> None:
         """Append ``v<n> = expr`` and its term of the loss."""
@@ -122,7 +130,7 @@ class _Body:
     def step(self) -> None:
         """Draw one operation of a kind the program allows."""
         kinds = ["compute"]
-        if "outside" in self.program.kinds or self.last_state is not None:
+        if self.program.kinds & {"outside", "reached"} or self.last_state is not None:
             kinds.append("outside")
         if self.program.writes:
             kinds.extend(kind for kind in ("inplace", "state") if kind in self.program.kinds)
@@ -138,10 +146,13 @@ class _Body:
         index = pick(draw, local)
         x, dummy = alias(draw, local.names[index], local.dummies[index])
         read = self.last_state  # read back the state just written
-        if read is None or ("outside" in self.program.kinds and draw(st.booleans())):
+        if read is None or (self.program.kinds & {"outside", "reached"} and draw(st.booleans())):
             read = pick(draw, outer)
         self.program.outside_reads.append(read)
-        y, other = alias(draw, outer.names[read], outer.dummies[read])
+        source = outer.names[read]
+        if "reached" in self.program.kinds and draw(st.booleans()):
+            source = reach(self.program, read)
+        y, other = alias(draw, source, outer.dummies[read])
         expr, result = binary(draw, x, dummy, y, other)
         self._add(expr, result, local.requires_grad[index] or outer.requires_grad[read])
 

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 import tensorhooks
 from tensorhooks._testing.programs import REGION_KINDS
+from tensorhooks._testing.reached import CONTAINERS, OPTIMIZERS
 from tensorhooks.testing import (
     GradientMismatchError,
     Program,
@@ -42,12 +43,13 @@ KINDS: dict[str, tuple[str, ...]] = {
     "outside": ("outside",),
     "state": ("state",),
     "policy_inplace": ("inplace", "policy"),
+    "reached": ("reached", "outside"),
     "all": REGION_KINDS,
 }
 
 
 def _examples(divisor: int) -> int:
-    """A share of the active profile's examples: twelve combinations are checked."""
+    """A share of the active profile's examples: fourteen combinations are checked."""
     return max(10, (settings().max_examples or 100) // divisor)
 
 
@@ -103,6 +105,7 @@ def test_torch_checkpoint_passes_on_plain_regions() -> None:
     [
         pytest.param(("outside",), r"def region", id="outside_tensor_written_after_the_call"),
         pytest.param(("state",), r"with torch.no_grad\(\):", id="state_written_in_the_region"),
+        pytest.param(("reached",), r"box\d|\.data = |optim", id="state_replaced_or_stepped"),
     ],
 )
 def test_the_generator_finds_torch_checkpoints_wrong_results(
@@ -165,6 +168,7 @@ SIGNS: dict[str, Callable[[Program], bool]] = {
     "inplace": lambda program: _writes_in(program, _parameters_and_locals),
     "outside": _reads_outside,
     "policy": lambda program: "context_fn=contexts" in program.source,
+    "reached": lambda program: re.search(r"def region(?s:.)*box\d", program.source) is not None,
     "state": lambda program: _writes_in(program, lambda function: {"const", "count"}),
 }
 
@@ -296,3 +300,35 @@ def test_as_strided_window_past_the_argument_of_a_changed_storage_raises() -> No
             tensorhooks.SavedTensorModifiedError, match="reaches past its arguments"
         ):
             torch.autograd.grad(out.sum(), [leaf])
+
+
+# How each holder and each change shows in a program's source.
+_HOLDER_SIGNS = {
+    "list": r"box\d+ = \[",
+    "tuple": r"box\d+ = \(v|box\d+ = \(leaf|box\d+ = \(const",
+    "dict": r"box\d+ = \{'t'",
+    "object": r"types\.SimpleNamespace\(t=",
+    "global": r"globals\(\)\['box",
+    "module": r"box\d+ = torch\.nn\.Module\(\)",
+    "moduledict": r"torch\.nn\.ModuleDict",
+}
+_CHANGE_SIGNS = {
+    **{name: re.escape(options) for name, options in OPTIMIZERS.items()},
+    "data": r"\.data = ",
+    "rebound in a holder": r"\n    box\d+(\[|\.t =| = \()|globals\(\)\['box\d+'\] = \(",
+}
+
+
+@pytest.mark.parametrize("sign", [*sorted(_HOLDER_SIGNS), *sorted(_CHANGE_SIGNS)])
+def test_every_holder_and_change_is_drawn(sign: str) -> None:
+    """Each holder of CONTAINERS, each optimizer of OPTIMIZERS and each rebinding is drawn."""
+    assert set(_HOLDER_SIGNS) == set(CONTAINERS)
+    pattern = {**_HOLDER_SIGNS, **_CHANGE_SIGNS}[sign]
+    example = find(
+        programs(checkpoint=["reached"]),
+        lambda program: re.search(pattern, program.source) is not None,
+        settings=settings(
+            database=None, max_examples=3000, derandomize=True, phases=[Phase.generate]
+        ),
+    )
+    assert re.search(pattern, example.source)
