@@ -76,6 +76,16 @@ class TestTwoRanks:
         assert any(case["grad_of_input"] for case in cases)
         assert any(case["activation"] == "relu_" for case in cases)
 
+    def test_transformers_recipe_gives_one_process_gradients(
+        self, ranks: list[dict[str, Any]]
+    ) -> None:
+        """docs/scaling-out.md's GPT-2 recipe, plain and under allow_mutation_on_saved_tensors."""
+        pytest.importorskip("transformers")
+        for report in ranks:
+            assert [case["context"] for case in report["transformers"]] == [None, "mutation"]
+            for case in report["transformers"]:
+                _check(case)
+
     def test_example_trains_under_torchrun(self, tmp_path: Path) -> None:
         """examples/train_fsdp2_torchrun.py runs on two gloo ranks started by torchrun."""
         output = run_script(ROOT / "examples" / "train_fsdp2_torchrun.py", tmp_path, "--steps", "3")
