@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import importlib.util
 import random
 import sys
 from collections.abc import Callable, Iterator
@@ -229,11 +230,46 @@ def ddp_case(case: Case, rank: int, world: int) -> dict[str, Any]:
     return {**asdict(case), **_compare(got, expected, rank, world)}
 
 
+def transformers_case(context: str | None, rank: int, world: int) -> dict[str, Any]:
+    """docs/scaling-out.md's recipe: a small GPT-2 whose blocks are checkpointed and sharded."""
+    from transformers import GPT2Config, GPT2LMHeadModel  # a slow import, for these cases only
+
+    config = GPT2Config(
+        n_layer=2, n_embd=16, n_head=2, n_positions=8, vocab_size=40,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    reference = GPT2LMHeadModel(config).double()
+    model = copy.deepcopy(reference)
+    mesh = cpu_mesh()
+    # The recipe: checkpoint each block's body, shard each block, then the root.
+    for block in model.transformer.h:
+        block.forward = functools.partial(th.checkpoint, block.forward)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    case = Case(0, 2, 16, 16, "gelu", True, False, "full", False, context, False)
+    ids = torch.randint(0, 40, (2 * world, 8), generator=torch.Generator().manual_seed(3))
+    got_grads = []
+    expected_grads = []
+    for net, batch_ids, grads in (
+        (reference, ids, expected_grads),
+        (model, ids.chunk(world)[rank], got_grads),
+    ):
+        with feature_context(case):
+            net(input_ids=batch_ids, labels=batch_ids).loss.backward()
+        grads.append(full_grads(net))
+    return {"context": context, **_compare((got_grads, []), (expected_grads, []), rank, world)}
+
+
 def cases(rank: int, world: int) -> dict[str, Any]:
     rng = random.Random(int(sys.argv[2]) if len(sys.argv) > 2 else 0)
     return {
         "fsdp2": [fsdp2_case(draw_case(rng), rank, world) for _ in range(CASES)],
         "ddp": [ddp_case(draw_case(rng), rank, world) for _ in range(DDP_CASES)],
+        # transformers is not a test dependency: the recipe is checked where it is installed.
+        "transformers": [transformers_case(context, rank, world) for context in (None, "mutation")]
+        if importlib.util.find_spec("transformers")
+        else None,
     }
 
 

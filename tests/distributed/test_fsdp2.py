@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from tensorhooks.distributed import sync_gradients
 
 from .fsdp2_ranks import CHECKPOINTS, CONTEXTS
 from .test_distributed import world_of_one  # noqa: F401  # a fixture: found by name
-from .torchrun import cpu_mesh, full_grads, launch
+from .torchrun import ROOT, cpu_mesh, full_grads, launch, run_script
 
 # float64 on two ranks against one process: only the order of additions differs.
 RELATIVE_TOLERANCE = 1e-9
@@ -74,6 +75,22 @@ class TestTwoRanks:
         assert any(case["writes_saved"] for case in cases)
         assert any(case["grad_of_input"] for case in cases)
         assert any(case["activation"] == "relu_" for case in cases)
+
+    def test_transformers_recipe_gives_one_process_gradients(
+        self, ranks: list[dict[str, Any]]
+    ) -> None:
+        """docs/scaling-out.md's GPT-2 recipe, plain and under allow_mutation_on_saved_tensors."""
+        pytest.importorskip("transformers")
+        for report in ranks:
+            assert [case["context"] for case in report["transformers"]] == [None, "mutation"]
+            for case in report["transformers"]:
+                _check(case)
+
+    def test_example_trains_under_torchrun(self, tmp_path: Path) -> None:
+        """examples/train_fsdp2_torchrun.py runs on two gloo ranks started by torchrun."""
+        output = run_script(ROOT / "examples" / "train_fsdp2_torchrun.py", tmp_path, "--steps", "3")
+        assert "step 2: loss" in output, output
+        assert "trained 3 steps on 2 ranks, cpu" in output, output
 
 
 # --- one process: FSDP2 over a world of one gloo rank --------------------------------------------

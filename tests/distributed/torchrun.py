@@ -27,28 +27,15 @@ ROOT = Path(__file__).resolve().parents[2]
 WORLD_SIZE = 2
 
 
-def launch(
-    module: str, out_dir: Path, *args: str, nproc: int = WORLD_SIZE, timeout: float = 240
-) -> list[dict[str, Any]]:
-    """Run ``python -m module OUT_DIR *args`` as ``nproc`` ranks under torchrun; their reports.
-
-    Raises AssertionError with every rank's output when a rank fails.
-    """
+def _torchrun(target: list[str], cwd: Path, nproc: int, timeout: float) -> str:
+    """Run torchrun on ``target`` with ``nproc`` ranks; its output. AssertionError if it fails."""
     torchrun = Path(sys.executable).with_name("torchrun")
     launcher = (
         [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
     )
     result = subprocess.run(
-        [
-            *launcher,
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            "--module",
-            module,
-            str(out_dir),
-            *args,
-        ],
-        cwd=ROOT,
+        [*launcher, "--standalone", f"--nproc-per-node={nproc}", *target],
+        cwd=cwd,
         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
@@ -56,8 +43,26 @@ def launch(
         check=False,
     )
     output = result.stdout + result.stderr
-    assert result.returncode == 0, f"torchrun {module} failed:\n{output}"
+    assert result.returncode == 0, f"torchrun {' '.join(target)} failed:\n{output}"
+    return result.stdout
+
+
+def launch(
+    module: str, out_dir: Path, *args: str, nproc: int = WORLD_SIZE, timeout: float = 240
+) -> list[dict[str, Any]]:
+    """Run ``python -m module OUT_DIR *args`` as ``nproc`` ranks under torchrun; their reports.
+
+    Raises AssertionError with every rank's output when a rank fails.
+    """
+    _torchrun(["--module", module, str(out_dir), *args], ROOT, nproc, timeout)
     return [json.loads(Path(out_dir, f"rank{rank}.json").read_text()) for rank in range(nproc)]
+
+
+def run_script(
+    script: Path, cwd: Path, *args: str, nproc: int = WORLD_SIZE, timeout: float = 240
+) -> str:
+    """Run ``script *args`` as ``nproc`` ranks under torchrun from ``cwd``; its standard output."""
+    return _torchrun([str(script), *args], cwd, nproc, timeout)
 
 
 def run_rank(cases: Callable[[int, int], dict[str, Any]]) -> None:
