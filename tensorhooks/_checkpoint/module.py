@@ -51,12 +51,21 @@ _OPTIONS = ("preserve_rng_state", "context_fn", "determinism_check", "debug", "e
 class _State:
     """One checkpointed module's options, its open region and recomputation's call per thread."""
 
-    __slots__ = ("__weakref__", "enabled", "open", "options")
+    __slots__ = ("__weakref__", "open", "options")
 
     def __init__(self, options: dict[str, Any]) -> None:
         self.options = options
-        self.enabled = True  # False while recomputation runs the module again
-        self.open = threading.local()  # .region: the forward's; .called: recomputation's args
+        # Per thread: .region, the forward's open region; .off, True while recomputation runs
+        # the module again on this thread; .called, the arguments recomputation passed.
+        self.open = threading.local()
+
+    @property
+    def enabled(self) -> bool:
+        return not getattr(self.open, "off", False)
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        self.open.off = not value
 
 
 def _tensors(value: object) -> Iterator[torch.Tensor]:

@@ -187,14 +187,14 @@ def checkpoint(
         def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
             @functools.wraps(fn)
             def checkpointed(*a: Any, **k: Any) -> Any:
-                if use_reentrant is None:
+                if use_reentrant is None and not torch.compiler.is_compiling():
                     warnings.warn(REENTRANT_UNSET, UserWarning, stacklevel=2)
                 return _checkpoint_with(fn, a, k, options)
 
             return checkpointed
 
         return decorate
-    if use_reentrant is None:
+    if use_reentrant is None and not torch.compiler.is_compiling():  # a graph break there
         warnings.warn(REENTRANT_UNSET, UserWarning, stacklevel=2)
     return _checkpoint_with(
         function,

@@ -6,6 +6,7 @@ import contextlib
 import functools
 import logging
 import types
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -181,3 +182,23 @@ def test_graph_exec_group_recomputes_per_backward_with_the_same_gradients() -> N
     assert results["torch"][0] == 1
     assert results["ours"][0] == 2
     assert_same(results["ours"][1], results["torch"][1])
+
+
+def test_use_reentrant_left_out_neither_warns_nor_breaks_a_compiled_graph() -> None:
+    """Under torch.compile the warning is not issued: it would break the graph."""
+    w, _ = weights()
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return checkpointing.checkpoint(lambda a: (a @ w).sin(), x).sum()
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    x = input_tensor()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (got,) = torch.autograd.grad(compiled(x), [x])
+    (expected,) = torch.autograd.grad(step_plain(x, w), [x])
+    torch.testing.assert_close(got, expected)
+
+
+def step_plain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x @ w).sin().sum()

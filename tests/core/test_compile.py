@@ -285,6 +285,21 @@ def test_multi_grad_hook_under_backward_in_compiled_function(mode: str) -> None:
         torch.testing.assert_close(mine, torchs)
 
 
+def test_pushing_a_users_function_leaves_it_compilable() -> None:
+    """Only tensorhooks' own hook code is made to run eagerly; a user's function still compiles."""
+
+    def user_pack(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor * 2
+
+    _torch_compat.push_saved_tensors_hooks(user_pack, user_pack)
+    _torch_compat.pop_saved_tensors_hooks()
+    dynamo.reset()
+    counters.clear()
+    x = torch.ones(3)
+    assert torch.equal(torch.compile(user_pack, backend="eager")(x), x * 2)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def mutating_step(make: Make) -> Callable[[torch.Tensor], torch.Tensor]:
     """Changes a saved tensor in place, then runs backward, all inside the compiled function."""
 
