@@ -173,15 +173,15 @@ def without_cache(
     if reads_only is None:  # not a Hugging Face GradientCheckpointingLayer
         return args, kwargs
     names = ("use_cache",) if reads_only else ("use_cache", *_CACHE_ARGUMENTS)
-    changed = dict(kwargs)
-    for name in names:
-        if changed.get(name):
-            changed[name] = False if name == "use_cache" else None
-    values = list(args)
-    for position, value in enumerate(values[: len(positions)]):
-        if positions[position] in names and value is not None and value is not False:
-            values[position] = False if positions[position] == "use_cache" else None
-    return tuple(values), changed
+    off = {name: False if name == "use_cache" else None for name in names}
+    changed = {name: _off(off, name, value) for name, value in kwargs.items()}
+    values = [_off(off, name, value) for name, value in zip(positions, args, strict=False)]
+    return (*values, *args[len(values) :]), changed
+
+
+def _off(off: dict[str, Any], name: str, value: Any) -> Any:
+    """``value``, or what turns the cache off if ``name`` is a cache argument (None stays)."""
+    return off[name] if name in off and value is not None else value
 
 
 def _positional_names(forward: Callable[..., Any]) -> tuple[str, ...]:
