@@ -256,10 +256,10 @@ class StepWatch:
         if self.graph:
             raise PlanStateError(
                 f"{self.caller}: the step's backward records a graph (create_graph=True, as a "
-                "gradient penalty's torch.autograd.grad does); the tensors it saves for the "
-                "second backward are not priced by the cost model, so no budget could be kept. "
-                "Plan a step without create_graph, or checkpoint by hand "
-                "(tensorhooks.checkpoint)"
+                "gradient penalty's torch.autograd.grad does, or a reentrant checkpoint running "
+                "its function again); what it saves in backward is not priced by the cost "
+                "model, so no budget could be kept. Plan a step without create_graph (and "
+                "use_reentrant=False), or checkpoint by hand (tensorhooks.checkpoint)"
             )
         if not self.backward:
             raise PlanStateError(
