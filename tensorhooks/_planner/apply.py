@@ -31,6 +31,7 @@ from tensorhooks._core.torch_compat import CheckpointPolicy, OpOverload
 from .accounting import DEVICE, HOST, HeldBytes, Hold, delegating_hooks
 
 __all__ = [
+    "CACHE_ARGUMENTS",
     "OFFLOAD",
     "SAVE",
     "Action",
@@ -157,7 +158,8 @@ class _RegionHolds:
 # cache (``_can_checkpoint_with_cache``), ``cache=None`` and ``layer_past=None``. Kept layers
 # still fill the cache; a checkpointed one leaves its entry out, as with Hugging Face's.
 
-_CACHE_ARGUMENTS = ("cache", "layer_past", "past_key_value", "past_key_values")
+CACHE_ARGUMENTS = ("cache", "layer_past", "past_key_value", "past_key_values")
+"""The names Hugging Face layers take a KV cache by (``cache`` since transformers 5)."""
 
 
 def without_cache(
@@ -172,7 +174,7 @@ def without_cache(
     reads_only = getattr(type(module), "_can_checkpoint_with_cache", None)
     if reads_only is None:  # not a Hugging Face GradientCheckpointingLayer
         return args, kwargs
-    names = ("use_cache",) if reads_only else ("use_cache", *_CACHE_ARGUMENTS)
+    names = ("use_cache",) if reads_only else ("use_cache", *CACHE_ARGUMENTS)
     off = {name: False if name == "use_cache" else None for name in names}
     changed = {name: _off(off, name, value) for name, value in kwargs.items()}
     values = [_off(off, name, value) for name, value in zip(positions, args, strict=False)]
