@@ -31,6 +31,7 @@ from tensorhooks._core.torch_compat import CheckpointPolicy, OpOverload
 from .accounting import DEVICE, HOST, HeldBytes, Hold, delegating_hooks
 
 __all__ = [
+    "CACHE_ARGUMENTS",
     "OFFLOAD",
     "SAVE",
     "Action",
@@ -159,7 +160,8 @@ class _RegionHolds:
 # cache (``_can_checkpoint_with_cache``), ``cache=None`` and ``layer_past=None``. Kept layers
 # still fill the cache; a checkpointed one leaves its entry out, as with Hugging Face's.
 
-_CACHE_ARGUMENTS = ("cache", "layer_past", "past_key_value", "past_key_values")
+CACHE_ARGUMENTS = ("cache", "layer_past", "past_key_value", "past_key_values")
+"""The names Hugging Face layers take a KV cache by (``cache`` since transformers 5)."""
 
 
 def without_cache(
@@ -174,16 +176,16 @@ def without_cache(
     reads_only = getattr(type(module), "_can_checkpoint_with_cache", None)
     if reads_only is None:  # not a Hugging Face GradientCheckpointingLayer
         return args, kwargs
-    names = ("use_cache",) if reads_only else ("use_cache", *_CACHE_ARGUMENTS)
-    changed = dict(kwargs)
-    for name in names:
-        if changed.get(name):
-            changed[name] = False if name == "use_cache" else None
-    values = list(args)
-    for position, value in enumerate(values[: len(positions)]):
-        if positions[position] in names and value is not None and value is not False:
-            values[position] = False if positions[position] == "use_cache" else None
-    return tuple(values), changed
+    names = ("use_cache",) if reads_only else ("use_cache", *CACHE_ARGUMENTS)
+    off = {name: False if name == "use_cache" else None for name in names}
+    changed = {name: _off(off, name, value) for name, value in kwargs.items()}
+    values = [_off(off, name, value) for name, value in zip(positions, args, strict=False)]
+    return (*values, *args[len(values) :]), changed
+
+
+def _off(off: dict[str, Any], name: str, value: Any) -> Any:
+    """``value``, or what turns the cache off if ``name`` is a cache argument (None stays)."""
+    return off[name] if name in off and value is not None else value
 
 
 def _positional_names(forward: Callable[..., Any]) -> tuple[str, ...]:

@@ -30,7 +30,7 @@ from tensorhooks._core.torch_compat import (
 )
 from tensorhooks._hooks import saved_tensors_hooks
 
-from .apply import hf_checkpointing_message, hf_checkpointing_on, tensors_in
+from .apply import CACHE_ARGUMENTS, hf_checkpointing_message, hf_checkpointing_on, tensors_in
 
 __all__ = ["StepWatch", "budget_in_bytes", "check_model_state", "untouched"]
 
@@ -144,9 +144,6 @@ def _written(func: OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> l
     return found
 
 
-_CACHES = ("cache", "layer_past", "past_key_value", "past_key_values")
-
-
 def _with_cache(module: nn.Module, kwargs: object) -> bool:
     """Whether ``module`` (not a Hugging Face layer, whose cache a plan turns off) gets a cache.
 
@@ -154,7 +151,7 @@ def _with_cache(module: nn.Module, kwargs: object) -> bool:
     """
     if hasattr(type(module), "_can_checkpoint_with_cache") or not isinstance(kwargs, dict):
         return False
-    if kwargs.get("use_cache") or any(kwargs.get(name) is not None for name in _CACHES):
+    if kwargs.get("use_cache") or any(kwargs.get(name) is not None for name in CACHE_ARGUMENTS):
         return True
     return getattr(getattr(module, "config", None), "use_cache", False) is True
 
@@ -256,10 +253,10 @@ class StepWatch:
         if self.graph:
             raise PlanStateError(
                 f"{self.caller}: the step's backward records a graph (create_graph=True, as a "
-                "gradient penalty's torch.autograd.grad does); the tensors it saves for the "
-                "second backward are not priced by the cost model, so no budget could be kept. "
-                "Plan a step without create_graph, or checkpoint by hand "
-                "(tensorhooks.checkpoint)"
+                "gradient penalty's torch.autograd.grad does, or a reentrant checkpoint running "
+                "its function again); what it saves in backward is not priced by the cost "
+                "model, so no budget could be kept. Plan a step without create_graph (and "
+                "use_reentrant=False), or checkpoint by hand (tensorhooks.checkpoint)"
             )
         if not self.backward:
             raise PlanStateError(

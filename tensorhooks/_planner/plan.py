@@ -383,7 +383,8 @@ def _profile_for(
     """The blocks and their profile, both in the order the step runs the blocks."""
     named = resolve_blocks(model, blocks, "plan_activations")
     if profile is None:
-        profile = profile_step(model, step, blocks=blocks)
+        listed = None if blocks is None else [module for _, module in named]
+        profile = profile_step(model, step, blocks=listed)
     elif not isinstance(profile, StepProfile):
         raise PlanArgumentTypeError(
             f"plan_activations: profile must be a StepProfile (from profile_step), got "

@@ -118,6 +118,38 @@ def test_blocks_listed_out_of_order_are_planned_in_run_order() -> None:
     assert plan.measured_peak_bytes == plan.predicted_peak_bytes
 
 
+class TwoStacks(nn.Module):
+    """An encoder and a decoder stack; the step may run the encoder alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.ModuleList(mlp_block() for _ in range(2))
+        self.decoder = nn.ModuleList(mlp_block() for _ in range(2))
+
+    def forward(self, x: torch.Tensor, *, decode: bool) -> torch.Tensor:
+        for layer in self.encoder:
+            x = layer(x)
+        for layer in self.decoder if decode else ():
+            x = layer(x)
+        return x
+
+
+def test_default_blocks_are_every_stack_the_step_runs() -> None:
+    """Both stacks are blocks; a stack the step never runs is left out of the default."""
+    torch.manual_seed(0)
+    model = TwoStacks()
+    x = torch.randn(4, 16)
+    both = th.profile_step(model, lambda: model(x, decode=True).sum().backward(), rounds=1)
+    assert [block.name for block in both.blocks] == [
+        "encoder.0",
+        "encoder.1",
+        "decoder.0",
+        "decoder.1",
+    ]
+    encoder = th.profile_step(model, lambda: model(x, decode=False).sum().backward(), rounds=1)
+    assert [block.name for block in encoder.blocks] == ["encoder.0", "encoder.1"]
+
+
 def test_a_step_with_create_graph_is_refused() -> None:
     """A gradient penalty (create_graph=True) saves what the profile cannot price: refused."""
     model, _ = stack()

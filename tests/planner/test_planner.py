@@ -233,7 +233,7 @@ def test_dropout_replays_its_random_numbers() -> None:
 
 
 def test_default_blocks_are_the_repeated_children() -> None:
-    """Blocks default to the longest run of same-class modules, found breadth-first."""
+    """Blocks default to the layers of the stack of same-class modules, found breadth-first."""
     model, _ = llama()
     assert [id(b) for b in th._planner.blocks.default_blocks(model)] == [  # type: ignore[attr-defined]
         id(layer) for layer in model.layers

@@ -197,3 +197,21 @@ def test_gradient_checkpointing_enabled_after_planning_is_refused() -> None:
     model.activation_checkpointing_disable()
     with plan:
         step()
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_a_cache_is_turned_off_even_when_empty(name: str) -> None:
+    """An empty cache (falsy: it has a length) is dropped too, by name or by position (GPT-2)."""
+    model, _ = built(name)
+    layer = th._planner.blocks.default_blocks(model)[0]  # type: ignore[attr-defined]
+    cache = transformers.DynamicCache()
+    assert not cache  # empty: a truth test would keep it
+    positions = th._planner.apply._positional_names(layer.forward)  # type: ignore[attr-defined]
+    hidden = torch.zeros(2, 16, 32)
+    without = th._planner.apply.without_cache  # type: ignore[attr-defined]
+    args, kwargs = without(layer, positions, (hidden,), {"cache": cache, "use_cache": True})
+    assert args == (hidden,)
+    assert kwargs == {"cache": None, "use_cache": False}
+    args, kwargs = without(layer, positions, (hidden, cache), {"position_ids": None})
+    assert args[1:] == ((None,) if name == "gpt2" else (cache,))  # only GPT-2 takes it second
+    assert kwargs == {"position_ids": None}
