@@ -235,7 +235,9 @@ def register_multi_grad_hook(
         A handle whose ``remove()`` unregisters the hook; it pickles like torch's.
 
     Raises:
-        HookArgumentValueError: if ``mode`` is not ``"all"`` or ``"any"`` (a ``ValueError``).
+        HookArgumentValueError: if ``mode`` is not ``"all"`` or ``"any"``, or a tensor is a
+            parameter sharded by FSDP2 (``fully_shard``), which autograd never gives a gradient:
+            use its ``register_post_accumulate_grad_hook`` (a ``ValueError``).
         HookArgumentTypeError: if ``tensors`` is a single tensor or holds something that is not
             a tensor, or ``fn`` is not callable (a ``TypeError``).
 
