@@ -143,8 +143,13 @@ def shares_version_counter(saved: torch.Tensor, written: torch.Tensor) -> bool:
     Asked of the counters themselves (one is moved and put back): inside the dispatch mode an
     alias made to remember ``written`` would get a counter of its own.
     """
-    before = written._version
-    set_version_counters((written,), (before + 1,))
+    try:
+        before = written._version
+        if saved._version != before:
+            return False
+        set_version_counters((written,), (before + 1,))
+    except RuntimeError:  # an inference tensor has no counter: it shares none
+        return False
     try:
         return saved._version == before + 1
     finally:

@@ -85,3 +85,22 @@ def test_write_through_data_keeps_the_save_time_value() -> None:
         b.data.mul_(5.0)
         loss.backward()
     torch.testing.assert_close(a.grad, 2 * torch.ones(2, 3, dtype=torch.float64))
+
+
+def test_shares_version_counter_asks_the_counters() -> None:
+    """Views share the counter, ``.data`` and clones do not; the counters are left as found."""
+    from tensorhooks._mutation.saved_tensor import shares_version_counter
+
+    base = torch.ones(4)
+    base.add_(1)
+    with torch.inference_mode():
+        inference = torch.ones(4)
+    assert shares_version_counter(base, base[1:])
+    assert shares_version_counter(base[1:], base.view(2, 2))
+    assert not shares_version_counter(base, base.data)  # versions 1 and 0
+    fresh = torch.ones(4)
+    assert not shares_version_counter(fresh, fresh.data)  # both at 0: the probe tells
+    assert fresh._version == 0
+    assert not shares_version_counter(base, base.clone())
+    assert not shares_version_counter(base, inference)
+    assert base._version == 1
