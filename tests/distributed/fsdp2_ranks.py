@@ -31,6 +31,7 @@ DDP_CASES = 6
 BATCH_PER_RANK = 3
 CHECKPOINTS = (None, "full", "save_matmuls", "offload_matmuls")
 CONTEXTS = (None, "save_on_cpu", "mutation", "disable_hooks")
+SHARDINGS = ("blocks", "blocks_kept_after_forward", "root_only")
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu_": torch.relu_,  # in place, on a tensor `up` did not save
     "relu": torch.relu,
@@ -56,6 +57,9 @@ class Case:
     checkpoint_outside: bool  # the parent checkpoints the sharded block, not its body
     context: str | None
     grad_of_input: bool  # torch.autograd.grad over the input instead of .backward()
+    # Which modules fully_shard is applied to: each block and the root, the blocks without
+    # freeing their weights after forward, or the root alone (one unit for the whole model).
+    sharding: str = "blocks"
 
 
 def draw_case(rng: random.Random) -> Case:
@@ -78,6 +82,7 @@ def draw_case(rng: random.Random) -> Case:
         checkpoint_outside=checkpoint is not None and rng.random() < 0.5,
         context=context,
         grad_of_input=rng.random() < 0.25,
+        sharding=rng.choice(SHARDINGS),
     )
 
 
@@ -205,13 +210,15 @@ def _compare(
 
 
 def fsdp2_case(case: Case, rank: int, world: int) -> dict[str, Any]:
-    """Train ``case`` sharded by FSDP2 (each block and the root) and in one process."""
+    """Train ``case`` sharded by FSDP2 as it says and in one process."""
     torch.manual_seed(case.seed)
     reference = Net(case).double()
     model = copy.deepcopy(reference)
     mesh = cpu_mesh()
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
+    if case.sharding != "root_only":
+        reshard = case.sharding == "blocks"
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh)
     xs = [batch(case, step, world) for step in range(2)]
     expected = train(reference, case, xs)
