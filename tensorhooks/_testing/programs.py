@@ -162,8 +162,8 @@ def _write(builder: _Builder) -> None:
         index = draw(st.sampled_from(builder.outside_reads))  # what a region read from outside
     else:
         index = pick(draw, scope)
-    if scope.computed[index] and draw(st.integers(0, 5)) == 0:
-        builder.lines.extend(_refill(scope.names[index]))
+    if scope.requires_grad[index] and not scope.computed[index] and draw(st.integers(0, 3)) == 0:
+        builder.lines.extend(_refill(scope.names[index]))  # a leaf: a weight, as FSDP2's
         return
     recorded = draw(st.booleans()) and scope.computed[index]
     x, _ = alias(draw, scope.names[index], scope.dummies[index], for_recorded_write=recorded)
@@ -172,7 +172,7 @@ def _write(builder: _Builder) -> None:
 
 
 def _refill(name: str) -> list[str]:
-    """Free ``name``'s storage and write its values back as FSDP2 does with its weights.
+    """Free the storage of leaf ``name`` and write its values back as FSDP2 does with weights.
 
     The storage is resized to zero bytes and back (no operator sees that), then refilled under
     ``torch.autograd._unsafe_preserve_version_counter``: autograd does not count the write, and

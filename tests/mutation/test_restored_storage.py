@@ -104,3 +104,34 @@ def test_shares_version_counter_asks_the_counters() -> None:
     assert not shares_version_counter(base, base.clone())
     assert not shares_version_counter(base, inference)
     assert base._version == 1
+
+
+def test_write_after_refills_keeps_the_refilled_value() -> None:
+    """Refilled twice, then written for real: backward reads the save-time (refilled) value."""
+
+    def refill_then_write(flat: torch.Tensor, values: torch.Tensor) -> None:
+        _copy_preserving_version(flat, values)
+        n_bytes = values.numel() * values.element_size()
+        flat.untyped_storage().resize_(0)
+        flat.untyped_storage().resize_(n_bytes)
+        _copy_preserving_version(flat, values)
+        with torch.no_grad():
+            flat.add_(-1.5)
+
+    torch.testing.assert_close(_freed_and_refilled(refill_then_write), _expected(), rtol=0, atol=0)
+
+
+def test_activations_are_not_kept_past_their_clone() -> None:
+    """Only weights wait for the verdict: a written activation is released once cloned."""
+    import weakref
+
+    leaf = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    with tensorhooks.allow_mutation_on_saved_tensors():
+        h = leaf * 2
+        loss = (h * h).sum()
+        watched = weakref.ref(h)
+        h.mul_(3.0)
+        del h
+        assert watched() is None
+        loss.backward()
+    torch.testing.assert_close(leaf.grad, 8 * torch.ones(3, dtype=torch.float64))
