@@ -617,8 +617,9 @@ def sync_gradients(
             group (a ``TypeError``).
         SyncArgumentValueError: if ``bucket_cap_mb`` is not finite and positive, no tensor
             requires grad, a tensor is not a leaf or is already synchronised by another handle,
-            this process is not in ``process_group``, or torch.distributed is not initialised (a
-            ``ValueError``).
+            this process is not in ``process_group``, torch.distributed is not initialised, or
+            the model is sharded by FSDP2 (``fully_shard``), which reduces its gradients itself
+            (a ``ValueError``).
         GradientSyncError: from ``backward()``, if a gradient is sparse or two backward calls
             synchronise the same parameters at once (a ``RuntimeError``); from ``handle.remove()``
             during a synchronising backward.

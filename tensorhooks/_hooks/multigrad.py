@@ -238,8 +238,10 @@ def register_multi_grad_hook(
         A handle whose ``remove()`` unregisters the hook; it pickles like torch's.
 
     Raises:
-        HookArgumentValueError: if ``mode`` is not ``"all"`` or ``"any"``, or ``tensors`` is
-            empty, so that ``fn`` would never be called (a ``ValueError``).
+        HookArgumentValueError: if ``mode`` is not ``"all"`` or ``"any"``, ``tensors`` is empty,
+            so that ``fn`` would never be called, or a tensor is a parameter sharded by FSDP2
+            (``fully_shard``), which autograd never gives a gradient: use its
+            ``register_post_accumulate_grad_hook`` (a ``ValueError``).
         HookArgumentTypeError: if ``tensors`` is a single tensor or holds something that is not
             a tensor, or ``fn`` is not callable (a ``TypeError``).
 

@@ -19,7 +19,14 @@ from tensorhooks._core.torch_compat import storage_key
 
 from .aliasing import byte_span, clone_key, reaches
 from .guarded_pairs import MutationGuard
-from .saved_tensor import PENDING, SavedTensor, make_pack, shares_version_counter
+from .saved_tensor import (
+    PENDING,
+    SavedTensor,
+    is_weight,
+    make_pack,
+    settle_to_original,
+    shares_version_counter,
+)
 
 __all__ = ["MutationContext"]
 
@@ -156,7 +163,7 @@ class MutationContext:
             for key, count in bumps.items():
                 for ref in self._by_storage.get(key, ()):
                     saved = ref()
-                    if saved is not None:
+                    if saved is not None and saved.version != PENDING:
                         saved.version = saved.tensor._version
                         saved.slack = count
 
@@ -176,6 +183,9 @@ class MutationContext:
             saved = ref()
             if saved is None:
                 continue
+            # A handle still deciding about an earlier write decides now, before this one.
+            if saved.version == PENDING and not settle_to_original(saved):
+                continue  # the earlier write counted: its clone is final, off this storage
             original = saved.tensor
             if span is not None and not reaches(span, original):
                 kept.append(ref)
@@ -187,11 +197,13 @@ class MutationContext:
                 clone = clones[shared] = original.clone()
             saved.tensor = clone
             saved.slack = 0
-            if counted_later and shares_version_counter(original, written):
-                # See NOTE [Writes autograd does not count] in `saved_tensor.py`.
+            if counted_later and is_weight(original) and shares_version_counter(original, written):
+                # See NOTE [Writes autograd does not count] in `saved_tensor.py`. Kept on this
+                # storage: a later write must find it.
                 saved.original = original
                 saved.original_version = original._version
                 saved.version = PENDING
+                kept.append(ref)
             else:
                 saved.version = clone._version
             self._cloned.add(weakref.ref(saved, self._cloned.discard))

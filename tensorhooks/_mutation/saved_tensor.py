@@ -29,8 +29,10 @@ __all__ = [
     "SavedTensor",
     "Track",
     "check_version",
+    "is_weight",
     "make_pack",
     "settle",
+    "settle_to_original",
     "shares_version_counter",
     "unpack",
     "unseen_write_error",
@@ -111,30 +113,49 @@ class SavedTensor:
 # other paths (one rank; parameters sharded on a dimension other than 0) write with ``copy_`` and
 # ``cat(out=)`` under ``torch.autograd._unsafe_preserve_version_counter``, which puts the version
 # counters back: their author tells autograd the write changes nothing backward needs. The mode
-# cannot know yet how the counters will end, so such a write of a single tensor is cloned as any
-# other, the handle keeps the tensor before the write too, and the first read settles: if the
-# saved tensor's counter is where it was before the write, backward reads the tensor itself, as
-# plain autograd would; otherwise the clone. Only a write through an alias sharing the saved
-# tensor's counter is settled so (asked at the write, `shares_version_counter`); one through
-# ``.data`` (a counter of its own) keeps the clone. A list write (``_foreach_mul_``, ``out=``
-# lists) leaves every counter alone under a dispatch mode, so its counters tell nothing and its
-# clone is always used. Cost: only on saved tensors a write
-# reached; until the first read they keep the tensor before the write alive too, as torch's
-# context does.
+# cannot know yet how the counters will end, so such a write is cloned as any other, the handle
+# keeps the tensor before the write too, and the first read settles: if the saved tensor's
+# counter is where it was before the write, backward reads the tensor itself, as plain autograd
+# would; otherwise the clone. Until it settles the handle stays indexed by its storage, so that a
+# later write settles it first (a write counted there, after a refill, is cloned from the
+# refilled values). This is done only where it is safe and free:
+#   - for weights (`is_weight`: a leaf that requires grad, or a view of one), which live as long
+#     as the model, so keeping them costs no memory; an activation's storage is released as soon
+#     as the clone is taken, as before (and as torch's context does);
+#   - for a write of a single tensor through an alias sharing the saved tensor's counter (asked
+#     at the write, `shares_version_counter`). A write through ``.data`` (a counter of its own)
+#     keeps the clone, and so does a list write (``_foreach_mul_``, ``out=`` lists), which under
+#     a dispatch mode leaves every counter alone, so its counters tell nothing.
 PENDING = -1
 
 
-def settle(saved: SavedTensor) -> torch.Tensor:
-    """Decide, at the first read after a clone, between the clone and the tensor itself."""
+def settle_to_original(saved: SavedTensor) -> bool:
+    """Decide between the clone and the tensor itself; whether it is the tensor itself.
+
+    At the first read after a clone, or at the next write reaching the tensor.
+    """
     original = saved.original
-    if original._version == saved.original_version:
+    uncounted = original._version == saved.original_version
+    if uncounted:
         saved.tensor = original
         saved.version = saved.original_version
     else:
         saved.version = saved.tensor._version
     saved.slack = 0
     del saved.original
+    return uncounted
+
+
+def settle(saved: SavedTensor) -> torch.Tensor:
+    """`settle_to_original`, at a read: the tensor backward gets."""
+    settle_to_original(saved)
     return saved.tensor
+
+
+def is_weight(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a leaf that requires grad (a weight), or a view of one."""
+    base = tensor._base if tensor._base is not None else tensor
+    return base.is_leaf and base.requires_grad
 
 
 def shares_version_counter(saved: torch.Tensor, written: torch.Tensor) -> bool:
@@ -143,8 +164,13 @@ def shares_version_counter(saved: torch.Tensor, written: torch.Tensor) -> bool:
     Asked of the counters themselves (one is moved and put back): inside the dispatch mode an
     alias made to remember ``written`` would get a counter of its own.
     """
-    before = written._version
-    set_version_counters((written,), (before + 1,))
+    try:
+        before = written._version
+        if saved._version != before:
+            return False
+        set_version_counters((written,), (before + 1,))
+    except RuntimeError:  # an inference tensor has no counter: it shares none
+        return False
     try:
         return saved._version == before + 1
     finally:

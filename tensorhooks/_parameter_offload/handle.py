@@ -183,8 +183,9 @@ def offload_parameters(
     Raises:
         ParameterOffloadValueError: for a block that is not a submodule of ``module``, a block
             listed twice or inside another, no blocks, a negative ``prefetch``, a device that is
-            neither CUDA nor the CPU, a parameter not on the CPU when nothing is streamed, or
-            tensors another live handle streams (a ``ValueError``).
+            neither CUDA nor the CPU, a parameter not on the CPU when nothing is streamed,
+            tensors another live handle streams, or a module sharded by FSDP2 (``fully_shard``:
+            use its ``CPUOffloadPolicy``) (a ``ValueError``).
         ParameterOffloadDeviceError: when a CUDA device is asked for and none is available (a
             ``RuntimeError``).
         ParameterOffloadTypeError: when ``module`` or a block is not an ``nn.Module`` (a

@@ -165,10 +165,34 @@ def _write(builder: _Builder) -> None:
         index = draw(st.sampled_from(builder.outside_reads))  # what a region read from outside
     else:
         index = pick(draw, scope)
+    if scope.requires_grad[index] and not scope.computed[index] and draw(st.integers(0, 3)) == 0:
+        builder.lines.extend(_refill(scope.names[index]))  # a leaf: a weight, as FSDP2's
+        return
     recorded = draw(st.booleans()) and scope.computed[index]
     x, _ = alias(draw, scope.names[index], scope.dummies[index], for_recorded_write=recorded)
     line = write(draw, x, recorded=recorded)
     builder.lines.extend([line] if recorded else ["with torch.no_grad():", f"    {line}"])
+
+
+def _refill(name: str) -> list[str]:
+    """Free the storage of leaf ``name`` and write its values back as FSDP2 does with weights.
+
+    The storage is resized to zero bytes and back (no operator sees that), then refilled under
+    ``torch.autograd._unsafe_preserve_version_counter``: autograd does not count the write, and
+    backward reads the same values. Only where the tensor covers its whole storage.
+    """
+    return [
+        (
+            f"if {name}.is_contiguous() and "
+            f"{name}.untyped_storage().nbytes() == {name}.numel() * {name}.element_size():"
+        ),
+        "    with torch.no_grad():",
+        f"        kept = {name}.clone()",
+        f"        {name}.untyped_storage().resize_(0)",
+        f"        {name}.untyped_storage().resize_(kept.numel() * kept.element_size())",
+        f"        with torch.autograd._unsafe_preserve_version_counter({name}):",
+        f"            {name}.copy_(kept)",
+    ]
 
 
 def _backward(builder: _Builder, n_leaves: int, backwards: tuple[str, ...]) -> list[str]:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard
 from torch.nn.parallel import DistributedDataParallel
 
 import tensorhooks as th
@@ -31,6 +32,7 @@ DDP_CASES = 6
 BATCH_PER_RANK = 3
 CHECKPOINTS = (None, "full", "save_matmuls", "offload_matmuls")
 CONTEXTS = (None, "save_on_cpu", "mutation", "disable_hooks")
+SHARDINGS = ("blocks", "blocks_kept_after_forward", "blocks_on_dim_1", "root_only")
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu_": torch.relu_,  # in place, on a tensor `up` did not save
     "relu": torch.relu,
@@ -56,12 +58,21 @@ class Case:
     checkpoint_outside: bool  # the parent checkpoints the sharded block, not its body
     context: str | None
     grad_of_input: bool  # torch.autograd.grad over the input instead of .backward()
+    # Which modules fully_shard is applied to: each block and the root, the blocks without
+    # freeing their weights after forward or with their matrices sharded on dimension 1 (FSDP2
+    # gathers those through another copy), or the root alone (one unit for the whole model).
+    sharding: str = "blocks"
 
 
 def draw_case(rng: random.Random) -> Case:
     """A random case; combinations that one process refuses too are not drawn."""
     context = rng.choice(CONTEXTS)
     checkpoint = None if context == "disable_hooks" else rng.choice(CHECKPOINTS)
+    sharding = rng.choice(SHARDINGS)
+    # FSDP2 needs dimension 1 to split evenly over the ranks (two here).
+    widths, hiddens = (
+        ((6, 8), (12,)) if sharding == "blocks_on_dim_1" else ((5, 6, 7, 8), (7, 9, 12))
+    )
     activation = rng.choice(ACTIVATIONS)
     if activation == "relu_" and checkpoint in ("save_matmuls", "offload_matmuls"):
         activation = "relu"  # it would write the matmul output the policy keeps: raises
@@ -69,8 +80,8 @@ def draw_case(rng: random.Random) -> Case:
         seed=rng.randrange(2**16),
         blocks=rng.randint(2, 4),
         # Odd sizes shard unevenly over two ranks: FSDP2 pads the last shard.
-        width=rng.choice((5, 6, 7, 8)),
-        hidden=rng.choice((7, 9, 12)),
+        width=rng.choice(widths),
+        hidden=rng.choice(hiddens),
         activation=activation,
         norm=rng.random() < 0.4,
         writes_saved=context == "mutation" and rng.random() < 0.7,
@@ -78,6 +89,7 @@ def draw_case(rng: random.Random) -> Case:
         checkpoint_outside=checkpoint is not None and rng.random() < 0.5,
         context=context,
         grad_of_input=rng.random() < 0.25,
+        sharding=sharding,
     )
 
 
@@ -204,14 +216,23 @@ def _compare(
     return report
 
 
+def _on_dim_1(param: nn.Parameter) -> Shard | None:
+    return Shard(1) if param.ndim == 2 else None
+
+
 def fsdp2_case(case: Case, rank: int, world: int) -> dict[str, Any]:
-    """Train ``case`` sharded by FSDP2 (each block and the root) and in one process."""
+    """Train ``case`` sharded by FSDP2 as it says and in one process."""
     torch.manual_seed(case.seed)
     reference = Net(case).double()
     model = copy.deepcopy(reference)
     mesh = cpu_mesh()
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
+    if case.sharding != "root_only":
+        reshard = case.sharding != "blocks_kept_after_forward"
+        placement = _on_dim_1 if case.sharding == "blocks_on_dim_1" else None
+        for block in model.blocks:
+            fully_shard(
+                block, mesh=mesh, reshard_after_forward=reshard, shard_placement_fn=placement
+            )
     fully_shard(model, mesh=mesh)
     xs = [batch(case, step, world) for step in range(2)]
     expected = train(reference, case, xs)

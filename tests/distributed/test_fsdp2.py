@@ -18,10 +18,11 @@ from tensorhooks import (
 )
 from tensorhooks.distributed import sync_gradients
 
-from .fsdp2_ranks import CHECKPOINTS, CONTEXTS
+from .fsdp2_ranks import CHECKPOINTS, CONTEXTS, SHARDINGS
 from .test_distributed import world_of_one  # noqa: F401  # a fixture: found by name
 from .torchrun import ROOT, cpu_mesh, full_grads, launch, run_script
 
+SEED = "15"
 # float64 on two ranks against one process: only the order of additions differs.
 RELATIVE_TOLERANCE = 1e-9
 
@@ -29,7 +30,8 @@ RELATIVE_TOLERANCE = 1e-9
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Every drawn case, run once by two gloo ranks started by torchrun."""
-    return launch("tests.distributed.fsdp2_ranks", tmp_path_factory.mktemp("fsdp2"), "0")
+    # A seed whose draws cover every feature (test_draws_cover_every_feature_and_order says so).
+    return launch("tests.distributed.fsdp2_ranks", tmp_path_factory.mktemp("fsdp2"), SEED)
 
 
 def _check(report: dict[str, Any]) -> None:
@@ -43,7 +45,7 @@ class TestTwoRanks:
     """Drawn models and feature combinations on two gloo ranks against one process."""
 
     def test_fully_shard_gives_one_process_gradients(self, ranks: list[dict[str, Any]]) -> None:
-        """Each block and the root sharded: every drawn combination has one process's grads."""
+        """Blocks and root sharded, or the root alone: each drawn case has one process's grads."""
         for report in ranks:
             for case in report["fsdp2"]:
                 _check(case)
@@ -64,10 +66,18 @@ class TestTwoRanks:
         assert [case["seed"] for case in first] == [case["seed"] for case in second]
 
     def test_draws_cover_every_feature_and_order(self, ranks: list[dict[str, Any]]) -> None:
-        """The seed draws each checkpoint kind, context, both orders, writes and autograd.grad."""
+        """The seed draws each checkpoint kind, context, sharding, both orders, writes, grad()."""
         cases = ranks[0]["fsdp2"]
         assert {case["checkpoint"] for case in cases} == set(CHECKPOINTS)
         assert {case["context"] for case in cases} == set(CONTEXTS)
+        assert {case["sharding"] for case in cases} == set(SHARDINGS)
+        # The mutation context saving weights that FSDP2 frees and gathers again, through each
+        # of its two copies (dimension 0, dimension 1), outside any checkpoint region.
+        for sharding in ("blocks", "blocks_on_dim_1"):
+            assert any(
+                c["context"] == "mutation" and c["sharding"] == sharding and not c["checkpoint"]
+                for c in cases
+            )
         assert {case["checkpoint_outside"] for case in cases if case["checkpoint"]} == {
             True,
             False,

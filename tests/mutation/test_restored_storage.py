@@ -85,3 +85,53 @@ def test_write_through_data_keeps_the_save_time_value() -> None:
         b.data.mul_(5.0)
         loss.backward()
     torch.testing.assert_close(a.grad, 2 * torch.ones(2, 3, dtype=torch.float64))
+
+
+def test_shares_version_counter_asks_the_counters() -> None:
+    """Views share the counter, ``.data`` and clones do not; the counters are left as found."""
+    from tensorhooks._mutation.saved_tensor import shares_version_counter
+
+    base = torch.ones(4)
+    base.add_(1)
+    with torch.inference_mode():
+        inference = torch.ones(4)
+    assert shares_version_counter(base, base[1:])
+    assert shares_version_counter(base[1:], base.view(2, 2))
+    assert not shares_version_counter(base, base.data)  # versions 1 and 0
+    fresh = torch.ones(4)
+    assert not shares_version_counter(fresh, fresh.data)  # both at 0: the probe tells
+    assert fresh._version == 0
+    assert not shares_version_counter(base, base.clone())
+    assert not shares_version_counter(base, inference)
+    assert base._version == 1
+
+
+def test_write_after_refills_keeps_the_refilled_value() -> None:
+    """Refilled twice, then written for real: backward reads the save-time (refilled) value."""
+
+    def refill_then_write(flat: torch.Tensor, values: torch.Tensor) -> None:
+        _copy_preserving_version(flat, values)
+        n_bytes = values.numel() * values.element_size()
+        flat.untyped_storage().resize_(0)
+        flat.untyped_storage().resize_(n_bytes)
+        _copy_preserving_version(flat, values)
+        with torch.no_grad():
+            flat.add_(-1.5)
+
+    torch.testing.assert_close(_freed_and_refilled(refill_then_write), _expected(), rtol=0, atol=0)
+
+
+def test_activations_are_not_kept_past_their_clone() -> None:
+    """Only weights wait for the verdict: a written activation is released once cloned."""
+    import weakref
+
+    leaf = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    with tensorhooks.allow_mutation_on_saved_tensors():
+        h = leaf * 2
+        loss = (h * h).sum()
+        watched = weakref.ref(h)
+        h.mul_(3.0)
+        del h
+        assert watched() is None
+        loss.backward()
+    torch.testing.assert_close(leaf.grad, 8 * torch.ones(3, dtype=torch.float64))
