@@ -72,23 +72,32 @@ def graph_leaves(roots: Iterable[Node | None], start: int) -> list[torch.Tensor]
     """The leaves (tensors requiring grad) read by the nodes numbered ``start`` or later.
 
     Walks down from ``roots`` through those nodes only: older nodes belong to tensors made
-    before the region, whose own graph is not the region's business.
+    before the region, whose own graph is not the region's business. It runs twice per region
+    call (forward pass and recomputation), so it asks each node's class, not its attributes.
     """
     found: list[torch.Tensor] = []
     stack = [root for root in roots if root is not None and sequence_nr(root) >= start]
     seen = {id(node) for node in stack}
     while stack:
-        node = stack.pop()
-        for following, _ in node.next_functions:
+        for following, _ in stack.pop().next_functions:
             if following is None or id(following) in seen:
                 continue
             seen.add(id(following))
-            variable = getattr(following, "variable", None)  # an AccumulateGrad
-            if variable is not None:
-                found.append(variable)
+            if type(following) is _ACCUMULATE_GRAD:
+                found.append(following.variable)  # type: ignore[attr-defined]  # its leaf
             elif sequence_nr(following) >= start:
                 stack.append(following)
     return found
+
+
+def _accumulate_grad_class() -> type:
+    """The class of autograd's leaf accumulators (not importable from Python by name)."""
+    node = torch.ones(1, requires_grad=True).sum().grad_fn
+    assert node is not None
+    return type(node.next_functions[0][0])
+
+
+_ACCUMULATE_GRAD = _accumulate_grad_class()
 
 
 class RecomputedReads:
