@@ -292,3 +292,25 @@ def test_set_data_names_the_tensor() -> None:
         tensorhooks.SavedTensorModifiedError, match=r"the data of .*weight.*was replaced"
     ):
         _gradient(checkpoint, _set_data)
+
+
+class GrowingCache(nn.Module):
+    """Binds a new buffer in its own forward pass when the input outgrows it (a rope cache)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.ones(2, dtype=torch.float64), persistent=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.table.shape[0] < h.shape[-1]:
+            self.table = torch.linspace(0.5, 1.5, h.shape[-1], dtype=torch.float64)
+        return (h + self.table).sin()
+
+
+def test_a_buffer_bound_by_the_forward_pass_itself_is_not_a_replacement() -> None:
+    """A module that binds a new buffer while it runs is recomputed with it, as plain autograd."""
+    cache = GrowingCache()
+    x = _input()
+    (got,) = torch.autograd.grad(checkpoint(cache, x).sum(), [x])
+    (expected,) = torch.autograd.grad(GrowingCache()(x).sum(), [x])
+    assert torch.equal(got, expected)
