@@ -60,8 +60,11 @@ __all__ = [
 # and runs the others. Each answer is a fresh alias of the entry, never the entry itself: autograd
 # sets the recomputed node as ``grad_fn`` of what the op returns, and an entry carrying it would
 # close a cycle (plan -> entry -> recomputed node -> saved hooks -> frame -> plan) through C++
-# objects that the collector cannot see, leaking every step. Entries are not consumed: a second
-# backward over a graph kept with ``retain_graph=True`` finds them again (torch raises there).
+# objects that the collector cannot see, leaking every step. An entry is consumed when it answers
+# its op, as torch's is: from then on the output lives only in what the recomputation made of it,
+# and is freed as the region's nodes run, so a selective region never holds more than torch's.
+# A second backward over a graph kept with ``retain_graph=True`` finds the op consumed and runs it
+# again, as a recomputed op (torch raises there): that costs the op, never memory.
 #
 # A saved output changed in place after it was filed (by the region later in its forward pass,
 # or by anyone before backward) no longer holds the value the recomputation needs:
@@ -70,7 +73,7 @@ __all__ = [
 #     write cannot reach the entry);
 #   - with ``allow_cache_entry_mutation=True`` the op runs again instead (torch hands out the
 #     changed value: an in-place write applied twice);
-#   - otherwise the lookup raises autograd's in-place error, naming the op and the policy.
+#   - otherwise taking the entry raises autograd's in-place error, naming the op and the policy.
 
 PolicyFn = Callable[..., Any]
 
@@ -297,8 +300,8 @@ class _Plan:
                 if entry is not None:
                     entry.seal()
 
-    def lookup(self, func: OpOverload, index: int) -> _Entry | None:
-        """The entry answering call ``index`` of ``func``; None when the op is to run again."""
+    def take(self, func: OpOverload, index: int) -> _Entry | None:
+        """The entry answering call ``index`` of ``func``, consumed; None: run the op again."""
         entries = self.storage.get(func)
         if entries is None or index >= len(entries):
             raise CheckpointError(
@@ -307,11 +310,11 @@ class _Plan:
                 "check for randomness outside torch's generators or global state it reads."
             )
         entry = entries[index]
-        if entry is None or not entry.usable(
-            self.keeps_saved_values, self.allow_cache_entry_mutation
-        ):
+        if entry is None:
             return None
-        return entry
+        usable = entry.usable(self.keeps_saved_values, self.allow_cache_entry_mutation)
+        entries[index] = None  # consumed (or stale): the plan holds the output no longer
+        return entry if usable else None
 
 
 class SelectiveForward(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
@@ -381,7 +384,7 @@ class SelectiveRecompute(TorchDispatchMode):  # type: ignore[no-untyped-call]  #
         counts: dict[Any, int] = self._calls.counts
         index = counts.get(func, 0)
         counts[func] = index + 1
-        entry = self.plan.lookup(func, index)
+        entry = self.plan.take(func, index)
         if entry is None:
             return func(*args, **kwargs)
         return entry.value()

@@ -45,9 +45,13 @@ __all__ = ["DETERMINISM_CHECKS", "Frame", "is_recomputing", "raise_changed_input
 # checkpoint holds them, user hooks see them). The first unpack of a holder in a graph task runs
 # the function again under a recomputation hook that keeps each saved tensor by position, and
 # stops (``_StopRecomputation``) once the last position is reached (early stop). What was
-# recomputed lives in the graph-task store under the frame, so it is released when the task ends
-# whether backward succeeded, raised part-way or stopped early, and a second backward over a
-# retained graph (a new task) recomputes again. Each position is handed out once per task.
+# recomputed lives in the graph-task store under a key the frame holds (never the frame itself),
+# so it is released when the task ends whether backward succeeded, raised part-way or stopped
+# early, and a second backward over a retained graph (a new task) recomputes again. Each position
+# is handed out once per task. Keyed by the frame, the store would keep every region's frame, and
+# with it its inputs and the outputs its policy saved, until the end of backward; keyed so, a
+# region's frame dies when its last node has run, as torch's does, and a region holds no more
+# than torch's checkpoint while the regions before it recompute.
 #
 # Inputs. Every tensor argument is an input of the region, however it is passed: positional,
 # keyword, or inside a list, tuple (named or not) or dict argument (`_Arguments` takes them out
@@ -194,6 +198,7 @@ class Frame:
         "forward_completed",
         "holders",
         "inputs",
+        "key",
         "metadata",
         "metadata_fn",
         "outside",
@@ -229,6 +234,9 @@ class Frame:
         self.forward_completed = False
         self.clone_inputs = False
         self.clone_saves = False
+        # What the graph-task store files this frame's recomputation under: not the frame, which
+        # the store would keep alive (see NOTE [Checkpointing on saved-tensor hooks]).
+        self.key = object()
 
     def pack(self, tensor: torch.Tensor) -> _Holder:
         """The region's pack hook: keep nothing but the position (and the metadata to check)."""
@@ -385,9 +393,9 @@ def _unpack_from(frame: Frame, index: int) -> torch.Tensor:
         frame.recompute(state)
     else:
         task = graph_task_store.current()
-        state = task.peek(frame)
+        state = task.peek(frame.key)
         if state is None:
-            state = task.claim(frame, _Recomputation())
+            state = task.claim(frame.key, _Recomputation())
         if not state.done:
             with state.lock:
                 if not state.done:

@@ -50,7 +50,8 @@ __all__ = [
 # the recomputation keeps the saved tensors of the region until their nodes unpack them: a
 # second pair, pushed inside the recomputation, holds each from the moment it is kept, and the
 # first pair's unpack lets it go. Outputs that a selective policy keeps are held from the policy
-# call until the region's state dies, which is when `checkpoint` frees them.
+# call until the region's recomputation consumes them, which is when `checkpoint` lets them go;
+# from then on they count as what the recomputation keeps, if it keeps them.
 #
 # Device or host. Offloaded tensors (by a policy or with a block's input) are held as host bytes,
 # also on a machine without an accelerator, where `save_on_cpu` leaves CPU tensors in place. A

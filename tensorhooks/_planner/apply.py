@@ -98,8 +98,8 @@ def tensors_in(value: Any, found: list[torch.Tensor]) -> list[torch.Tensor]:
 class _RegionHolds:
     """The holds of one checkpoint call: its cached outputs, and what a recomputation keeps.
 
-    Lives as long as the region's state in `checkpoint` (its function keeps it), so the cached
-    outputs stop counting when `checkpoint` frees them.
+    Lives as long as the region's state in `checkpoint` (its function keeps it); the cached
+    outputs stop counting when a recomputation consumes them, as `checkpoint` frees them then.
     """
 
     __slots__ = ("cached", "held", "kept", "next_kept", "next_saved")
@@ -122,6 +122,8 @@ class _RegionHolds:
         return position
 
     def start_recompute(self) -> None:
+        # Recomputation consumes the cached outputs: from here on, what it keeps of them counts.
+        self.cached = []
         self.kept = {}
         self.next_kept = 0
 

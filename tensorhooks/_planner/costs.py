@@ -29,10 +29,12 @@ __all__ = [
 
 # NOTE [The cost model of a plan]
 #
-# Bytes. A block's choice holds ``device`` bytes from its forward until its backward ends (what a
-# kept block saves; under checkpoint, its inputs and the outputs its policy saves) and, during
-# its own backward, ``backward`` bytes (those plus what its recomputation keeps until backward
-# uses it: a checkpointed block holds then what a kept one would). ``host`` bytes are offloaded.
+# Bytes. A block's choice holds ``device`` bytes from its forward until its backward starts (what
+# a kept block saves; under checkpoint, its inputs and the outputs its policy saves) and, during
+# its own backward, ``backward`` bytes: a checkpointed block holds then what a kept one would
+# (what its recomputation keeps until backward uses it) and its inputs. The outputs its policy
+# saved are consumed by the recomputation (as torch's checkpoint consumes them), so those that
+# no op of the block saves stop counting there. ``host`` bytes are offloaded.
 # Saves outside the blocks are ``fixed`` (before the blocks, or shared: held the whole step) or
 # ``after`` (the head and the loss: released before the blocks' backward). Backward runs the
 # blocks last to first, so the peak is the larger of the end of the forward pass and the
@@ -161,8 +163,8 @@ def choice_outcome(block: BlockCosts, choice: Choice, bandwidth: float | None) -
     saved = 0.0
     for op, what in zip(block.ops, choice.ops, strict=True):
         if what == SAVE:
+            # Held until the recomputation consumes it; then only what the block saves stays.
             device += op.saved_bytes + op.other_bytes
-            backward += op.other_bytes
             saved += op.seconds
         elif what == OFFLOAD:
             host += op.saved_bytes + op.other_bytes

@@ -36,12 +36,12 @@ __all__ = ["Menu", "Solution", "block_menu", "least_peak", "solve"]
 # offloaded and its input kept or offloaded: 1 + 2 * 3**ops plans per block. Two exact
 # reductions make that tractable.
 #
-# Within a block, candidates with the same bytes (saved, unsaved) and the same offloadability
-# are interchangeable except for the time they save, so some optimal plan caches, of each such
+# Within a block, candidates with the same bytes and the same offloadability are
+# interchangeable except for the time they save, so some optimal plan caches, of each such
 # class, the ones that save the most time, and which of those it saves and which it offloads
 # does not matter: a class of m ops has (m+1)(m+2)/2 choices (how many saved, how many
 # offloaded), not 3**m. A dynamic programme over the classes keeps, for each reachable
-# (device bytes, unsaved bytes saved, offloaded bytes), the most time saved; every state is
+# (device bytes, offloaded bytes), the most time saved; every state is
 # then priced with `choice_outcome` for each input choice (the same function a brute force
 # uses, so the numbers agree to the bit); caching nothing is always among them, since it alone
 # pays no policy. The block's menu is what remains after dropping every outcome that another
@@ -72,10 +72,14 @@ class Menu:
 
 
 def _classes(block: BlockCosts) -> list[list[int]]:
-    """Candidate indices grouped by (saved bytes, unsaved bytes, offloadable), most time first."""
-    groups: dict[tuple[int, int, bool], list[int]] = {}
+    """Candidate indices grouped by (bytes, offloadable), most time first.
+
+    Bytes an op's output holds, saved by the block or not: only the sum enters the outcome
+    (see NOTE [The cost model of a plan]).
+    """
+    groups: dict[tuple[int, bool], list[int]] = {}
     for index, op in enumerate(block.ops):
-        groups.setdefault((op.saved_bytes, op.other_bytes, op.offloadable), []).append(index)
+        groups.setdefault((op.saved_bytes + op.other_bytes, op.offloadable), []).append(index)
     classes = []
     for key in sorted(groups):
         members = groups[key]
@@ -84,7 +88,7 @@ def _classes(block: BlockCosts) -> list[list[int]]:
     return classes
 
 
-_Key = tuple[int, int, int]  # (device bytes, unsaved bytes saved, offloaded bytes) of a policy
+_Key = tuple[int, int]  # (device bytes, offloaded bytes) of a policy
 
 STATES_PER_BLOCK = 4096
 """Policies per block the exact programme keeps before it groups them (see `_coarsened`)."""
@@ -93,12 +97,12 @@ STATES_PER_BLOCK = 4096
 def _policies(block: BlockCosts, link: bool) -> tuple[list[tuple[int, ...]], bool]:
     """The policies worth pricing for ``block``, and whether the search over them was exact.
 
-    One policy per reachable (device, unsaved, offloaded) bytes: the one saving the most time
+    One policy per reachable (device, offloaded) bytes: the one saving the most time
     (see NOTE [Solving a plan exactly]). False when there were more than `STATES_PER_BLOCK`
     and they were grouped. Without a ``link`` nothing is offloaded.
     """
     classes = _classes(block)
-    states: dict[_Key, float] = {(0, 0, 0): 0.0}
+    states: dict[_Key, float] = {(0, 0): 0.0}
     layers: list[dict[_Key, tuple[_Key, int, int]]] = []  # per class: key -> (parent, kept, moved)
     exact = True
     for members in classes:
@@ -109,14 +113,10 @@ def _policies(block: BlockCosts, link: bool) -> tuple[list[tuple[int, ...]], boo
         grown: dict[_Key, float] = {}
         layer: dict[_Key, tuple[_Key, int, int]] = {}
         for parent, saved in states.items():
-            device, unsaved, offloaded = parent
+            device, offloaded = parent
             for kept in range(len(members) + 1):
                 for moved in range(min(offloads, len(members) - kept) + 1):
-                    key = (
-                        device + kept * size,
-                        unsaved + kept * first.other_bytes,
-                        offloaded + moved * size,
-                    )
+                    key = (device + kept * size, offloaded + moved * size)
                     value = saved + prefix[kept + moved]
                     best = grown.get(key)
                     if best is None or value > best:
@@ -151,19 +151,19 @@ def _coarsened(states: dict[_Key, float]) -> dict[_Key, float]:
     priced exactly later; what is lost is a policy a little smaller and a little slower than its
     cell's.
     """
-    ranges = [max(key[axis] for key in states) for axis in range(3)]
+    ranges = [max(key[axis] for key in states) for axis in range(2)]
     dimensions = sum(1 for extent in ranges if extent) or 1
     cells = max(2, int(STATES_PER_BLOCK ** (1 / dimensions)))
     quanta = [max(1, -(-extent // cells)) for extent in ranges]
     grid: dict[_Key, tuple[_Key, float]] = {}
     for key, saved in states.items():
-        cell = (key[0] // quanta[0], key[1] // quanta[1], key[2] // quanta[2])
+        cell = (key[0] // quanta[0], key[1] // quanta[1])
         best = grid.get(cell)
         if best is None or (saved, -sum(key)) > (best[1], -sum(best[0])):
             grid[cell] = (key, saved)
     kept = dict(grid.values())
-    if (0, 0, 0) in states:
-        kept[0, 0, 0] = states[0, 0, 0]
+    if (0, 0) in states:
+        kept[0, 0] = states[0, 0]
     return kept
 
 

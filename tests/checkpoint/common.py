@@ -1,4 +1,4 @@
-"""What the checkpoint tests share: small float64 weights and blocks, an op counter."""
+"""What the checkpoint tests share: small float64 weights and blocks, op and byte counters."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -65,3 +66,32 @@ def mm_policy(choice: CheckpointPolicy) -> Callable[..., CheckpointPolicy]:
         return choice if op == torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
+
+
+class LiveBytes(TorchDispatchMode):
+    """The peak of bytes held by storages that ops made while it is active (forward and backward).
+
+    After every op it adds up the storages still alive that any op made since it was entered
+    (tensors made before, such as parameters and inputs, are left out): what a step holds beyond
+    its model, as an allocator would count it, less transient buffers inside one op.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        live = self.live
+        for key in [key for key, (ref, _) in live.items() if ref.expired()]:
+            del live[key]
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided:
+                storage = tensor.untyped_storage()
+                if storage._cdata not in live:
+                    live[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+        self.peak = max(self.peak, sum(nbytes for _, nbytes in live.values()))
+        return out

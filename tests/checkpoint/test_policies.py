@@ -11,11 +11,14 @@ from typing import Any
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tensorhooks
 from tensorhooks import CheckpointError, CheckpointPolicy, checkpoint
 from tests.checkpoint.common import (
+    LiveBytes,
     OpCounter,
     assert_same,
     block_of,
@@ -434,3 +437,185 @@ def test_policy_sees_the_output_on_every_release() -> None:
     assert len(outputs) == 2
     assert outputs[0].shape == (4, 6)
     del out
+
+
+# What selective checkpointing may hold, against torch's with the same policy: a stack of blocks
+# of random widths and kinds, checkpointed one region per block, measured op by op (LiveBytes).
+
+_MATMULS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default})
+_NONLINEAR = frozenset({aten.relu.default, aten.tanh.default, aten._softmax.default})
+
+
+def _saving(ops: frozenset[Any], choice: CheckpointPolicy) -> Callable[..., CheckpointPolicy]:
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return choice if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _save_all(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE
+
+
+# name: (tensorhooks' policy, torch's): an offloaded output is held in host memory, which on a
+# machine without an accelerator is the memory torch's would hold had it saved the output.
+_POLICIES: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+    "matmuls": (
+        _saving(_MATMULS, CheckpointPolicy.MUST_SAVE),
+        _saving(_MATMULS, CheckpointPolicy.MUST_SAVE),
+    ),
+    "nonlinear": (
+        _saving(_NONLINEAR, CheckpointPolicy.PREFER_SAVE),
+        _saving(_NONLINEAR, CheckpointPolicy.PREFER_SAVE),
+    ),
+    "everything": (_save_all, _save_all),
+    "offload matmuls": (
+        _saving(_MATMULS, CheckpointPolicy.MUST_CPU_OFFLOAD),
+        _saving(_MATMULS, CheckpointPolicy.MUST_SAVE),
+    ),
+}
+
+
+class _Block(torch.nn.Module):
+    """A residual block: an MLP, or attention over the rows (softmax), then an MLP."""
+
+    def __init__(self, width: int, attention: bool) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(width, 3 * width, dtype=torch.float64) if attention else None
+        self.up = torch.nn.Linear(width, 4 * width, dtype=torch.float64)
+        self.down = torch.nn.Linear(4 * width, width, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qkv is not None:
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+            x = x + torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
+        return x + self.down(torch.relu(self.up(x)).tanh())
+
+
+def _held_in_backward(
+    blocks: list[_Block],
+    x: torch.Tensor,
+    run: Callable[..., Any],
+    policy: Callable[..., Any],
+    make: Callable[..., Any],
+    *,
+    variant: str,
+) -> tuple[int, list[torch.Tensor]]:
+    """The peak bytes of a step over the checkpointed stack, and its gradients."""
+    context_fn = functools.partial(make, policy)
+    params = [p for block in blocks for p in block.parameters()]
+    for p in params:
+        p.grad = None
+    with LiveBytes() as live:
+        h = x
+        for block in blocks:
+            h = run(block, h, use_reentrant=False, context_fn=context_fn)
+        loss = h.square().sum()
+        if variant == "grad":
+            got = list(torch.autograd.grad(loss, params))
+        else:
+            loss.backward(retain_graph=variant == "retain_graph")
+            got = [p.grad for p in params]
+    return live.peak, [g.clone() for g in got]
+
+
+@settings(max_examples=12, deadline=None, database=None)
+@given(
+    width=st.sampled_from([4, 8, 16]),
+    attention=st.lists(st.booleans(), min_size=2, max_size=5),
+    name=st.sampled_from(sorted(_POLICIES)),
+    variant=st.sampled_from(["backward", "grad", "retain_graph"]),
+)
+def test_selective_regions_hold_no_more_than_torch(
+    width: int, attention: list[bool], name: str, variant: str
+) -> None:
+    """A selectively checkpointed stack never holds more bytes than torch's with the policy."""
+    torch.manual_seed(0)
+    blocks = [_Block(width, kind) for kind in attention]
+    x = torch.randn(2 * width, width, dtype=torch.float64, requires_grad=True)
+    ours, theirs = _POLICIES[name]
+    th_peak, th_grads = _held_in_backward(
+        blocks,
+        x,
+        checkpoint,
+        ours,
+        tensorhooks.create_selective_checkpoint_contexts,
+        variant=variant,
+    )
+    torch_peak, torch_grads = _held_in_backward(
+        blocks,
+        x,
+        torch_checkpoint.checkpoint,
+        theirs,
+        torch_checkpoint.create_selective_checkpoint_contexts,
+        variant=variant,
+    )
+    assert th_peak <= torch_peak, (th_peak, torch_peak)
+    assert_same(th_grads, torch_grads)
+
+
+def test_second_backward_runs_consumed_ops_again() -> None:
+    """Saved outputs are consumed by the first backward; a retained graph's second runs them."""
+    w1, w2 = weights()
+    x = input_tensor()
+    context_fn = functools.partial(
+        tensorhooks.create_selective_checkpoint_contexts, [aten.mm.default]
+    )
+    loss = checkpoint(block_of(w1, w2), x, context_fn=context_fn).sum()
+    runs = []
+    for retain in (True, False):
+        with OpCounter() as counter:
+            got = torch.autograd.grad(loss, [x, w1], retain_graph=retain)
+        runs.append(counter.counts.get(aten.mm.default, 0))
+        assert_same(got, grads(lambda: block_of(w1, w2)(x), [x, w1]))
+    # Both backward calls run backward's three matmuls; the first reads the region's two from
+    # what the policy saved, the second runs them again.
+    assert runs == [3, 5]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_transformers_layers_hold_no_more_than_torch(name: str) -> None:
+    """GPT-2 and BERT layers under "save matmuls" hold no more than torch's checkpoint."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if name == "gpt2":
+        config = transformers.GPT2Config(
+            n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=32, use_cache=False
+        )
+        config.attn_pdrop = config.resid_pdrop = config.embd_pdrop = 0.0
+        model = transformers.GPT2LMHeadModel(config)
+        layers = list(model.transformer.h)
+    else:
+        config = transformers.BertConfig(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=256,
+            vocab_size=128,
+            max_position_embeddings=32,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+        model = transformers.BertForMaskedLM(config)
+        layers = list(model.bert.encoder.layer)
+    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    policy = _POLICIES["matmuls"][0]
+    peaks = {}
+    for run, make in (
+        (checkpoint, tensorhooks.create_selective_checkpoint_contexts),
+        (torch_checkpoint.checkpoint, torch_checkpoint.create_selective_checkpoint_contexts),
+    ):
+        originals = [layer.forward for layer in layers]
+        for layer, forward in zip(layers, originals, strict=True):
+            layer.forward = functools.partial(
+                run, forward, use_reentrant=False, context_fn=functools.partial(make, policy)
+            )
+        try:
+            with LiveBytes() as live:
+                model(input_ids=tokens, labels=tokens).loss.backward()
+        finally:
+            for layer, forward in zip(layers, originals, strict=True):
+                layer.forward = forward
+        model.zero_grad(set_to_none=True)
+        peaks[run] = live.peak
+    assert peaks[checkpoint] <= peaks[torch_checkpoint.checkpoint]
