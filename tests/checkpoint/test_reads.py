@@ -176,6 +176,58 @@ def _object_attribute() -> tuple[Block, Callable[[], None]]:
     return lambda h: holder.inner.module(h), change  # noqa: PLW0108 (read at call time)
 
 
+class _Shared:
+    """Holds a module as a class attribute, shared by every instance."""
+
+    module = _module()
+
+
+def _class_attribute() -> tuple[Block, Callable[[], None]]:
+    _Shared.module = _module()
+    holder = _Shared()
+
+    def change() -> None:
+        _Shared.module.linear.bias = nn.Parameter(_new(_Shared.module.linear.bias))
+
+    return lambda h: holder.module(h), change  # noqa: PLW0108 (read at call time)
+
+
+def _deep_closure() -> tuple[Block, Callable[[], None]]:
+    module = _module()
+
+    def outer() -> Block:
+        def middle() -> Block:
+            def inner(h: torch.Tensor) -> torch.Tensor:
+                return module(h)
+
+            return inner
+
+        return middle()
+
+    block = outer()
+
+    def change() -> None:
+        with torch.no_grad():
+            module.linear.bias.add_(1)
+
+    return lambda h: block(h), change  # noqa: PLW0108 (read at call time)
+
+
+def _parameter_dict() -> tuple[Block, Callable[[], None]]:
+    torch.manual_seed(0)
+    weights = nn.ParameterDict({"w": nn.Parameter(torch.randn(4, 4, dtype=torch.float64))})
+    shift = nn.Parameter(torch.randn(4, dtype=torch.float64))
+    store = {"weights": weights, "shift": shift}
+
+    def block(h: torch.Tensor) -> torch.Tensor:
+        return (h @ store["weights"]["w"] + store["shift"]).sin()
+
+    def change() -> None:
+        store["shift"] = nn.Parameter(_new(shift))
+
+    return block, change
+
+
 def _optimizer_step(**options: bool) -> Case:
     def case() -> tuple[Block, Callable[[], None]]:
         module = _module()
@@ -205,6 +257,9 @@ CASES: dict[str, Case] = {
     "global, bias stepped": _through_a_global,
     "global, bias replaced": _global_replaced,
     "plain object's attribute": _object_attribute,
+    "class attribute": _class_attribute,
+    "closure of a closure of a closure": _deep_closure,
+    "ParameterDict, item rebound": _parameter_dict,
     "Adam for-loop": _optimizer_step(foreach=False),
     "Adam foreach": _optimizer_step(foreach=True),
     "Adam fused": _optimizer_step(fused=True),
