@@ -42,14 +42,17 @@ __all__ = [
 #     graph when the forward pass ends; the leaves of the graph recomputation builds must be
 #     among them, or be its own inputs.
 # Every tensor so recorded is then watched like the state found by the walk: its version and its
-# storage (``param.data = ...`` swaps the storage and moves no version) must be those of the
-# forward pass, or recomputation reads the value the forward pass read (inside
+# storage (``param.data = ...`` swaps the storage and moves no version; a feature that swaps it
+# for an equal copy, as `offload_parameters` does, counts the swap: _core/moves.py) must be
+# those of the forward pass, or recomputation reads the value the forward pass read (inside
 # ``allow_mutation_on_saved_tensors``), or it raises before backward uses anything recomputed.
+# Tensors that require no grad and that the walk found are also held to their slot: the module
+# attribute or the name where the forward pass left them must hold the same tensor.
 #
-# A recorded tensor that recomputation did not read may be one that the recomputation made
-# itself (a leaf created inside the function, ``torch.ones(3, requires_grad=True)``): such a
-# tensor is referenced only by the recomputation, and is dead once it ends, while a tensor read
-# from outside is alive (something outside holds it: a module, a closure, a global). So a
+# A tensor recomputation read that the forward pass did not may be one that the recomputation
+# made itself (a leaf created inside the function, ``torch.ones(3, requires_grad=True)``): such
+# a tensor is referenced only by the recomputation, and is dead once it ends, while a tensor
+# read from outside is alive (something outside holds it: a module, a closure, a global). So a
 # mismatch is kept weakly and reported only if its tensor outlives the recomputation.
 #
 # Fused optimizers (``torch.optim.Adam(fused=True)`` and the others with a ``fused`` option)
@@ -57,9 +60,10 @@ __all__ = [
 # A global post-step hook of torch.optim moves the versions of the parameters a fused step wrote,
 # as the for-loop and foreach implementations do. Installed when tensorhooks is imported.
 #
-# Not recorded: a tensor that requires no grad, is not saved, and is reached other than by the
-# walk (a frozen bias held in a global). Its value reaches backward only through the tensors
-# recomputed from it; see the Limits section of docs/checkpoint.md.
+# Not recorded: a tensor that requires no grad, is not saved, and lies deeper than the walk looks
+# (the walk also follows dicts, plain objects and the globals the code names, a few levels
+# down). Its value reaches backward only through the tensors recomputed from it; see the
+# Limits section of docs/checkpoint.md.
 
 
 def describe(tensor: torch.Tensor) -> str:
@@ -72,23 +76,32 @@ def graph_leaves(roots: Iterable[Node | None], start: int) -> list[torch.Tensor]
     """The leaves (tensors requiring grad) read by the nodes numbered ``start`` or later.
 
     Walks down from ``roots`` through those nodes only: older nodes belong to tensors made
-    before the region, whose own graph is not the region's business.
+    before the region, whose own graph is not the region's business. It runs twice per region
+    call (forward pass and recomputation), so it asks each node's class, not its attributes.
     """
     found: list[torch.Tensor] = []
     stack = [root for root in roots if root is not None and sequence_nr(root) >= start]
     seen = {id(node) for node in stack}
     while stack:
-        node = stack.pop()
-        for following, _ in node.next_functions:
+        for following, _ in stack.pop().next_functions:
             if following is None or id(following) in seen:
                 continue
             seen.add(id(following))
-            variable = getattr(following, "variable", None)  # an AccumulateGrad
-            if variable is not None:
-                found.append(variable)
+            if type(following) is _ACCUMULATE_GRAD:
+                found.append(following.variable)  # type: ignore[attr-defined]  # its leaf
             elif sequence_nr(following) >= start:
                 stack.append(following)
     return found
+
+
+def _accumulate_grad_class() -> type:
+    """The class of autograd's leaf accumulators (not importable from Python by name)."""
+    node = torch.ones(1, requires_grad=True).sum().grad_fn
+    assert node is not None
+    return type(node.next_functions[0][0])
+
+
+_ACCUMULATE_GRAD = _accumulate_grad_class()
 
 
 class RecomputedReads:

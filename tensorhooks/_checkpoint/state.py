@@ -328,6 +328,17 @@ class OutsideState:
                 watched.storage = storage_key(tensor)
             elif watched.start is not None:
                 watched.start = None  # not written: the tensor itself holds the value
+        # A module may bind a new buffer in its own forward pass (a cache grown): recomputation
+        # must find what the forward pass left there.
+        self._slots = [
+            (
+                slot,
+                weakref.ref(now)
+                if isinstance(slot, tuple) and (now := _in_module(slot)) is not None
+                else ref,
+            )
+            for slot, ref in self._slots
+        ]
         watched_storages: set[int | None] | None = None  # read only if a saved tensor needs it
         watched_ids = {id(watched.ref()) for watched in self.watched}
         for index, tensor, version in saved:
@@ -394,12 +405,18 @@ class OutsideState:
         return Substitution(values) if values else None
 
     def _check_slots(self) -> None:
-        """Raise if a tensor requiring no grad that the walk found was replaced in its slot."""
+        """Raise if a tensor requiring no grad that the walk found was replaced in its slot.
+
+        A module's slot is read directly; a name in the closure (or deeper) by walking again,
+        only if there is one.
+        """
         if not self._slots:
             return
-        now = {_slot(name): tensor for name, tensor, _ in reachable_state(self._function)}
+        now: dict[object, torch.Tensor] = {}
+        if any(not isinstance(slot, tuple) for slot, _ in self._slots):
+            now = {_slot(name): tensor for name, tensor, _ in reachable_state(self._function)}
         for slot, ref in self._slots:
-            tensor = now.get(slot)
+            tensor = _in_module(slot) if isinstance(slot, tuple) else now.get(slot)
             if tensor is not None and tensor is not ref():
                 raise SavedTensorModifiedError(replaced_message(str(_name_of(slot)), tensor, ref()))
 
@@ -457,6 +474,13 @@ def _identity(value: Any) -> Any:
 def _slot(name: str | _InModule) -> object:
     """Where the walk found a tensor: a module's attribute, or a path of names."""
     return (name.owner, name.attribute) if isinstance(name, _InModule) else name
+
+
+def _in_module(slot: tuple[torch.nn.Module, str]) -> torch.Tensor | None:
+    """The buffer (or parameter) a module holds under a name now."""
+    owner, attribute = slot
+    found = owner._buffers.get(attribute)
+    return owner._parameters.get(attribute) if found is None else found
 
 
 def _name_of(slot: object) -> str:

@@ -18,10 +18,14 @@ _ATTRIBUTE = "_tensorhooks_moves"
 
 def note_moved(tensor: torch.Tensor) -> None:
     """Count a swap of ``tensor``'s data for a copy holding the same values."""
-    setattr(tensor, _ATTRIBUTE, getattr(tensor, _ATTRIBUTE, 0) + 1)
+    tensor.__dict__[_ATTRIBUTE] = moves(tensor) + 1
 
 
 def moves(tensor: torch.Tensor) -> int:
-    """How many swaps of ``tensor``'s data for an equal copy were counted."""
-    count: int = getattr(tensor, _ATTRIBUTE, 0)
+    """How many swaps of ``tensor``'s data for an equal copy were counted.
+
+    Read from the tensor's ``__dict__``: checkpoint asks it of every tensor it watches, every
+    call, and a missing attribute looked up with ``getattr`` costs an exception.
+    """
+    count: int = tensor.__dict__.get(_ATTRIBUTE, 0)
     return count

@@ -570,3 +570,70 @@ def test_selective_regions_hold_no_more_than_torch(
     )
     assert th_peak <= torch_peak, (th_peak, torch_peak)
     assert_same(th_grads, torch_grads)
+
+
+def test_second_backward_runs_consumed_ops_again() -> None:
+    """Saved outputs are consumed by the first backward; a retained graph's second runs them."""
+    w1, w2 = weights()
+    x = input_tensor()
+    context_fn = functools.partial(
+        tensorhooks.create_selective_checkpoint_contexts, [aten.mm.default]
+    )
+    loss = checkpoint(block_of(w1, w2), x, context_fn=context_fn).sum()
+    runs = []
+    for retain in (True, False):
+        with OpCounter() as counter:
+            got = torch.autograd.grad(loss, [x, w1], retain_graph=retain)
+        runs.append(counter.counts.get(aten.mm.default, 0))
+        assert_same(got, grads(lambda: block_of(w1, w2)(x), [x, w1]))
+    # Both backward calls run backward's three matmuls; the first reads the region's two from
+    # what the policy saved, the second runs them again.
+    assert runs == [3, 5]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_transformers_layers_hold_no_more_than_torch(name: str) -> None:
+    """GPT-2 and BERT layers under "save matmuls" hold no more than torch's checkpoint."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if name == "gpt2":
+        config = transformers.GPT2Config(
+            n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=32, use_cache=False
+        )
+        config.attn_pdrop = config.resid_pdrop = config.embd_pdrop = 0.0
+        model = transformers.GPT2LMHeadModel(config)
+        layers = list(model.transformer.h)
+    else:
+        config = transformers.BertConfig(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=256,
+            vocab_size=128,
+            max_position_embeddings=32,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+        model = transformers.BertForMaskedLM(config)
+        layers = list(model.bert.encoder.layer)
+    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    policy = _POLICIES["matmuls"][0]
+    peaks = {}
+    for run, make in (
+        (checkpoint, tensorhooks.create_selective_checkpoint_contexts),
+        (torch_checkpoint.checkpoint, torch_checkpoint.create_selective_checkpoint_contexts),
+    ):
+        originals = [layer.forward for layer in layers]
+        for layer, forward in zip(layers, originals, strict=True):
+            layer.forward = functools.partial(
+                run, forward, use_reentrant=False, context_fn=functools.partial(make, policy)
+            )
+        try:
+            with LiveBytes() as live:
+                model(input_ids=tokens, labels=tokens).loss.backward()
+        finally:
+            for layer, forward in zip(layers, originals, strict=True):
+                layer.forward = forward
+        model.zero_grad(set_to_none=True)
+        peaks[run] = live.peak
+    assert peaks[checkpoint] <= peaks[torch_checkpoint.checkpoint]

@@ -176,6 +176,58 @@ def _object_attribute() -> tuple[Block, Callable[[], None]]:
     return lambda h: holder.inner.module(h), change  # noqa: PLW0108 (read at call time)
 
 
+class _Shared:
+    """Holds a module as a class attribute, shared by every instance."""
+
+    module = _module()
+
+
+def _class_attribute() -> tuple[Block, Callable[[], None]]:
+    _Shared.module = _module()
+    holder = _Shared()
+
+    def change() -> None:
+        _Shared.module.linear.bias = nn.Parameter(_new(_Shared.module.linear.bias))
+
+    return lambda h: holder.module(h), change  # noqa: PLW0108 (read at call time)
+
+
+def _deep_closure() -> tuple[Block, Callable[[], None]]:
+    module = _module()
+
+    def outer() -> Block:
+        def middle() -> Block:
+            def inner(h: torch.Tensor) -> torch.Tensor:
+                return module(h)
+
+            return inner
+
+        return middle()
+
+    block = outer()
+
+    def change() -> None:
+        with torch.no_grad():
+            module.linear.bias.add_(1)
+
+    return lambda h: block(h), change  # noqa: PLW0108 (read at call time)
+
+
+def _parameter_dict() -> tuple[Block, Callable[[], None]]:
+    torch.manual_seed(0)
+    weights = nn.ParameterDict({"w": nn.Parameter(torch.randn(4, 4, dtype=torch.float64))})
+    shift = nn.Parameter(torch.randn(4, dtype=torch.float64))
+    store = {"weights": weights, "shift": shift}
+
+    def block(h: torch.Tensor) -> torch.Tensor:
+        return (h @ store["weights"]["w"] + store["shift"]).sin()
+
+    def change() -> None:
+        store["shift"] = nn.Parameter(_new(shift))
+
+    return block, change
+
+
 def _optimizer_step(**options: bool) -> Case:
     def case() -> tuple[Block, Callable[[], None]]:
         module = _module()
@@ -205,6 +257,9 @@ CASES: dict[str, Case] = {
     "global, bias stepped": _through_a_global,
     "global, bias replaced": _global_replaced,
     "plain object's attribute": _object_attribute,
+    "class attribute": _class_attribute,
+    "closure of a closure of a closure": _deep_closure,
+    "ParameterDict, item rebound": _parameter_dict,
     "Adam for-loop": _optimizer_step(foreach=False),
     "Adam foreach": _optimizer_step(foreach=True),
     "Adam fused": _optimizer_step(fused=True),
@@ -292,3 +347,25 @@ def test_set_data_names_the_tensor() -> None:
         tensorhooks.SavedTensorModifiedError, match=r"the data of .*weight.*was replaced"
     ):
         _gradient(checkpoint, _set_data)
+
+
+class GrowingCache(nn.Module):
+    """Binds a new buffer in its own forward pass when the input outgrows it (a rope cache)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.ones(2, dtype=torch.float64), persistent=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.table.shape[0] < h.shape[-1]:
+            self.table = torch.linspace(0.5, 1.5, h.shape[-1], dtype=torch.float64)
+        return (h + self.table).sin()
+
+
+def test_a_buffer_bound_by_the_forward_pass_itself_is_not_a_replacement() -> None:
+    """A module that binds a new buffer while it runs is recomputed with it, as plain autograd."""
+    cache = GrowingCache()
+    x = _input()
+    (got,) = torch.autograd.grad(checkpoint(cache, x).sum(), [x])
+    (expected,) = torch.autograd.grad(GrowingCache()(x).sum(), [x])
+    assert torch.equal(got, expected)
