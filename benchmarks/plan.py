@@ -18,9 +18,10 @@ In one run:
    slower than the best hand choice that fits the budget. Without CUDA this part says it is
    skipped.
 
-4. Cost and speed (`cost_rows`), on a CPU, per model: the 8-block width-256 transformer stack,
-   100 small MLP blocks, and GPT-2, Mixtral and BERT of transformers built from configs (when
-   transformers is installed), each over ``--rounds`` alternating rounds:
+4. With ``--cost``, alone: cost and speed (`cost_rows`), on a CPU, per model: the 8-block
+   width-256 transformer stack, 100 small MLP blocks, and GPT-2, Mixtral and BERT of
+   transformers built from configs (when transformers is installed), each over ``--rounds``
+   alternating rounds:
    - planning cost: one ``profile_step`` and ``plan_activations``, in unplanned steps (target
      <= 5), and the slowest solve from a profile (target < 1 s);
    - stable plans: the plans each round's profile gives for the same budgets, and how many
@@ -35,8 +36,8 @@ In one run:
 Table and chart (``--out``, default ``plan-out``: ``plan.png`` and ``plan-gpu.png``).
 
 Run: python benchmarks/plan.py [--rounds N] [--quick] [--bandwidth GBPS] [--out DIR] [--cost]
-(``--cost``: part 4 only). Publish only figures from a quiet machine: one thread per process and
-nothing else running.
+(``--cost``: part 4, alone). Publish only figures from a quiet machine: one thread per process
+and nothing else running.
 """
 
 from __future__ import annotations
@@ -457,7 +458,6 @@ def main() -> int:
     write_chart(series, options.out / "plan.png", caption)
     print(f"\nchart: {options.out / 'plan.png'}")
     gpu_rows(options.rounds, options.quick, options.out)
-    cost_rows(options.rounds, options.quick)
     return 0
 
 
