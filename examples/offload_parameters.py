@@ -60,6 +60,7 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     handle = tensorhooks.offload_parameters(model, device=DEVICE, prefetch=1)
+    print(handle)  # which blocks move together: by default the model's children
     offloaded_peak = train(model)
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-5)

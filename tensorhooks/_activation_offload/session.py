@@ -5,7 +5,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import sys
 import threading
+import warnings
 
 import torch
 
@@ -20,7 +22,7 @@ from .copy_engines import CopyEngine, CopyEngineProvider
 from .pinned_pool import pool_of
 from .records import HostCopy, Offloaded, Timeline, copy_strides
 
-__all__ = ["OffloadOptions", "Session", "kept", "thread_timeline"]
+__all__ = ["NothingPinnedWarning", "OffloadOptions", "Session", "kept", "thread_timeline"]
 
 _Parameter = torch.nn.Parameter
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -79,9 +81,7 @@ class OffloadOptions:
             known, remember = None, False
         else:
             remember = type(pin_memory) is bool and len(_VALIDATED) < _VALIDATED_MAX
-        if known is not None:
-            return known
-        options = cls._checked(
+        options = known or cls._checked(
             pin_memory,
             device_type,
             min_offload_bytes=min_offload_bytes,
@@ -89,8 +89,10 @@ class OffloadOptions:
             prefetch=prefetch,
             max_in_flight=max_in_flight,
         )
-        if remember:
+        if remember and known is None:
             _VALIDATED[key] = options
+        if options.pin_memory and not _nothing_pinned_said:
+            _say_nothing_pinned(options.device_type)
         return options
 
     @classmethod
@@ -145,6 +147,40 @@ class OffloadOptions:
 # remembered (torch takes any truthy object there), and at most `_VALIDATED_MAX` sets.
 _VALIDATED: dict[tuple[object, ...], OffloadOptions] = {}
 _VALIDATED_MAX = 64
+
+
+class NothingPinnedWarning(UserWarning):
+    """``save_on_cpu(pin_memory=True)`` where the device type is not available: nothing pinned."""
+
+
+_nothing_pinned_said = False
+"""Whether this process was told that ``pin_memory=True`` pins nothing here (it is, once)."""
+
+
+def _say_nothing_pinned(device_type: str) -> None:
+    """Warn, once per process, when ``pin_memory=True`` meets no available ``device_type``.
+
+    Torch is silent there; the copies are then plain synchronous host copies.
+    """
+    global _nothing_pinned_said  # noqa: PLW0603  # once per process, as torch's warn-once
+    module = getattr(torch, device_type, None)
+    is_available = getattr(module, "is_available", None)
+    if is_available is not None and is_available():
+        return
+    # tensorhooks' own contexts (checkpoint's offload policies, the planner) ask for pinning
+    # wherever it exists; only a user's call is told. The caller is 4 frames up (see stacklevel).
+    caller = sys._getframe(4).f_globals.get("__name__", "")
+    if caller.startswith("tensorhooks."):
+        return
+    _nothing_pinned_said = True
+    warnings.warn(
+        f"save_on_cpu(pin_memory=True): no {device_type} device is available here, so nothing "
+        "will be pinned: saved tensors are copied to (or stay in) ordinary host memory, "
+        f"synchronously. Pass pin_memory=torch.{device_type}.is_available() to ask for this "
+        "without the warning (said once per process)",
+        NothingPinnedWarning,
+        stacklevel=5,  # the caller of save_on_cpu(...), through its compile-skipping entry
+    )
 
 
 def _check_pin_memory_and_device_type(pin_memory: object, device_type: str) -> None:

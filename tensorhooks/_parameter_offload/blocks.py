@@ -68,7 +68,7 @@ def build_blocks(
                 if (owner, name) not in slot.locations:
                     slot.locations.append((owner, name))
                 block_slots.setdefault(id(slot), slot)
-        block = Block(index, block_module, list(block_slots.values()))
+        block = Block(index, block_module, list(block_slots.values()), names[id(block_module)])
         for slot in block.slots:
             slot.blocks.append(block)
         result.append(block)

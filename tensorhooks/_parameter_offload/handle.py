@@ -59,11 +59,17 @@ class _Claim:
                     del self._claimed[key]
 
 
+_NAMES_SHOWN = 8
+"""Block names a handle's repr lists before it counts the rest."""
+
+
 class ParameterOffloadHandle:
     """What `offload_parameters` returns: the blocks it streams, and ``remove()`` to stop.
 
     Attributes:
         blocks: the modules whose parameters move together, in the order they run.
+        block_names: their qualified names in the module (``"layers.0"``); its repr lists them,
+            so ``print(handle)`` says which blocks the default chose.
         device: the device parameters are copied to while their block runs (the CPU when
             nothing is streamed).
     """
@@ -82,7 +88,16 @@ class ParameterOffloadHandle:
         params = (s.tensor for b in blocks for s in b.slots if s.is_param)
         self._late = LateGrads(params if streamer is not None else ())
         self.blocks: tuple[nn.Module, ...] = tuple(b.module for b in blocks)
+        self.block_names: tuple[str, ...] = tuple(b.name for b in blocks)
         self.device: torch.device = device
+
+    def __repr__(self) -> str:
+        shown = ", ".join(self.block_names[:_NAMES_SHOWN])
+        more = len(self.block_names) - _NAMES_SHOWN
+        if more > 0:
+            shown += f", and {more} more"
+        where = "nothing streamed" if self._streamer is None else f"streamed to {self.device}"
+        return f"<offload_parameters: {len(self.blocks)} blocks ({shown}), {where}>"
 
     def remove(self) -> None:
         """Put every parameter and buffer back where it was, with its value and ``.grad``; unhook.

@@ -240,11 +240,12 @@ def _host_grad(grad: torch.Tensor, transfer: ParameterTransfer) -> torch.Tensor:
 class Block:
     """A module whose slots move together, and who holds it on the device now."""
 
-    __slots__ = ("index", "module", "owners", "slot_ids", "slots")
+    __slots__ = ("index", "module", "name", "owners", "slot_ids", "slots")
 
-    def __init__(self, index: int, module: nn.Module, slots: list[Slot]) -> None:
+    def __init__(self, index: int, module: nn.Module, slots: list[Slot], name: str = "") -> None:
         self.index = index
         self.module = module
+        self.name = name  # its qualified name in the model
         self.slots = slots
         self.slot_ids = frozenset(id(s) for s in slots)
         self.owners: dict[object, int] = {}

@@ -63,6 +63,21 @@ class TestBenchmarkScripts:
         ), done.stdout
         assert "torch._dynamo imported by tensorhooks: False" in done.stdout
 
+    @pytest.mark.slow
+    def test_demo_cost_reads_cpu_seconds_against_the_target(self) -> None:
+        """demo_cost.py runs the demo, prints each round, the spread, the load and the verdict."""
+        done = self._run("demo_cost.py", "--rounds", "1", "--", "--no-processes")
+        assert done.returncode == 0, done.stderr
+        assert re.search(r"^before: .*load average \d", done.stdout, re.M), done.stdout
+        assert re.search(r"^round 1: \d+\.\d CPU-s, \d+\.\d s wall$", done.stdout, re.M)
+        assert re.search(
+            r"^python -m tensorhooks demo --no-processes: \d+\.\d CPU-s \(\d+\.\d-\d+\.\d\), ",
+            done.stdout,
+            re.M,
+        )
+        # One round says nothing about the noise: never met or missed on it.
+        assert "target not decidable: CPU-seconds of the demo" in done.stdout
+
     @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip without CUDA")
     @pytest.mark.parametrize("script", ["offload_gpu.py", "offload_parameters.py"])
     def test_gpu_scripts_say_skipped_without_cuda(self, script: str) -> None:

@@ -113,3 +113,34 @@ def test_cuda_asked_for_without_cuda_raises() -> None:
     assert [p.data_ptr() for p in ours.parameters()] == before
     assert isinstance(th.ParameterOffloadDeviceError(), RuntimeError)
     th.offload_parameters(ours, device="cpu").remove()  # nothing was left claimed
+
+
+class Unrepeated(nn.Module):
+    """A model with no repeated blocks: an embedding, a list of two layers, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 6)
+        self.body = nn.ModuleList([nn.Linear(6, 6), nn.LayerNorm(6)])
+        self.head = nn.Linear(6, 2)
+
+
+def test_the_handle_says_which_blocks_the_default_chose() -> None:
+    """repr(handle) names every block: the children, a ModuleList child's items each a block."""
+    handle = th.offload_parameters(Unrepeated(), device="cpu")
+    assert handle.block_names == ("embed", "body.0", "body.1", "head")
+    assert repr(handle) == (
+        "<offload_parameters: 4 blocks (embed, body.0, body.1, head), nothing streamed>"
+    )
+    handle.remove()
+
+
+def test_a_long_list_of_blocks_is_counted_past_eight() -> None:
+    """Past eight blocks the repr counts the rest instead of listing them."""
+    handle = th.offload_parameters(
+        nn.Sequential(*(nn.Linear(2, 2) for _ in range(10))), device="cpu"
+    )
+    assert repr(handle) == (
+        "<offload_parameters: 10 blocks (0, 1, 2, 3, 4, 5, 6, 7, and 2 more), nothing streamed>"
+    )
+    handle.remove()

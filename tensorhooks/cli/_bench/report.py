@@ -9,7 +9,15 @@ from tensorhooks.cli._models import ModelConfig
 from tensorhooks.cli._verdict import TargetVerdict
 
 from .cuda import OFFLOAD_CONFIG
-from .results import OFFLOAD_PARAMETERS, SAVE_ON_CPU, SYNC, BenchOptions, BenchReport, GpuRow
+from .results import (
+    OFFLOAD_PARAMETERS,
+    SAVE_ON_CPU,
+    SYNC,
+    BenchOptions,
+    BenchReport,
+    GpuRow,
+    word,
+)
 
 __all__ = ["CHART_NAME", "MARKDOWN_NAME", "markdown"]
 
@@ -40,7 +48,10 @@ _WORDS = {
 
 def _cpu_markdown(report: BenchReport) -> list[str]:
     lines = [
-        "| mode | torch (x plain) | tensorhooks (x plain) | tensorhooks / torch | targets |",
+        (
+            "| mode | torch (x plain) | tensorhooks (x plain) | tensorhooks / torch, per round | "
+            "targets |"
+        ),
         "|---|---:|---:|---:|---|",
     ]
     for row in report.cpu:
@@ -48,6 +59,8 @@ def _cpu_markdown(report: BenchReport) -> list[str]:
             "-" if spread is None else spread.format()
             for spread in (row.torch, row.ours, row.ours_over_torch)
         ]
+        if row.ours_over_torch is not None:
+            cells[2] += f" {word(row.ours_over_torch)}"
         targets = "; ".join(
             f"{_WORDS[checked.verdict]}: {checked.describe()}" for checked in row.targets
         ) or ("reference (not a feature)" if row.reference else "")

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from tensorhooks.cli._harness import Timings
-from tensorhooks.cli._verdict import Spread, TargetVerdict, target_verdict
+from tensorhooks.cli._verdict import Side, Spread, TargetVerdict, side, target_verdict
 
 __all__ = [
     "OFFLOAD_PARAMETERS",
@@ -21,6 +21,7 @@ __all__ = [
     "GpuRow",
     "Target",
     "compare",
+    "word",
 ]
 
 
@@ -136,3 +137,17 @@ def compare(
         checked,
         reference=ours is None,
     )
+
+
+WORDS = {Side.BELOW: "faster", Side.ABOVE: "slower", Side.WITHIN_NOISE: "noise"}
+"""Ours over torch in one word, by where its rounds lie against 1.00."""
+
+
+def word(spread: Spread) -> str:
+    """Ours over torch in one word by the one rule (see `side`): faster, slower, or noise.
+
+    Example:
+        >>> word(Spread(0.50, 0.55, 0.60, 11)), word(Spread(0.9, 1.0, 1.1, 11))
+        ('faster', 'noise')
+    """
+    return WORDS[side(spread, 1.0)]

@@ -14,7 +14,7 @@ from rich.table import Table
 from tensorhooks.cli._console import format_bytes, make_console, progress
 from tensorhooks.cli._environment import environment
 from tensorhooks.cli._harness import SKIPPED, TARGET_MARKERS
-from tensorhooks.cli._verdict import MIN_ROUNDS, Side, Spread, TargetVerdict, side
+from tensorhooks.cli._verdict import MIN_ROUNDS, Spread, TargetVerdict
 
 from .chart import write_chart
 from .cpu import cpu_variants, round_seconds, run_cpu
@@ -28,6 +28,7 @@ from .results import (
     BenchReport,
     Comparison,
     GpuRow,
+    word,
 )
 from .sync import run_sync, sync_seconds
 
@@ -75,21 +76,15 @@ def _decide_line(options: BenchOptions) -> str:
     )
 
 
-_WORD = {Side.BELOW: "faster", Side.ABOVE: "slower", Side.WITHIN_NOISE: "noise"}
-
-
-_COLOUR = {Side.BELOW: "green", Side.ABOVE: "red", Side.WITHIN_NOISE: "yellow"}
+_COLOUR = {"faster": "green", "slower": "red", "noise": "yellow"}
 
 
 def _ours_over_torch(spread: Spread | None) -> str:
     """Ours over torch, with a word by the one rule (see `side`): faster, slower, or noise."""
     if spread is None:
         return "-"
-    where = side(spread, 1.0)
-    return (
-        f"{spread.median:.2f}x [{_COLOUR[where]}]{_WORD[where]}[/]\n"
-        f"{spread.low:.2f}-{spread.high:.2f}"
-    )
+    said = word(spread)
+    return f"{spread.median:.2f}x [{_COLOUR[said]}]{said}[/]\n{spread.low:.2f}-{spread.high:.2f}"
 
 
 def _cpu_table(rows: Sequence[Comparison]) -> Table:

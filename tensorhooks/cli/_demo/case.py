@@ -45,7 +45,11 @@ Context = Callable[[], contextlib.AbstractContextManager[Any]]
 # faster or slower (see NOTE [Reading a ratio from its rounds]); one step a round keeps each
 # round short, so that load drifting during a round moves both sides alike. On a CPU the whole
 # demo runs on one intra-op thread, the project's reference setting: its model is small, and a
-# second thread costs more CPU time than it saves wall time.
+# second thread costs more CPU time than it saves wall time. Its batch there is 8 (`demo`): the
+# cases' steps cost half what they did at 16, and no case turns on the batch size. Most of the
+# rest is fixed: importing torch, in the demo and in the two processes of the sync_gradients
+# case, and torch._dynamo, which torch imports the first time any dispatch mode runs.
+# ``benchmarks/demo_cost.py`` measures the whole (target: at most 20 CPU-seconds).
 
 WARMUP = 1
 """Untimed steps of each side before a timed case's first round."""

@@ -86,9 +86,10 @@ def demo(
     Returns:
         0 when tensorhooks did right on every case, else 1.
     """
-    if device.startswith("cuda"):
-        # Longer sequences on a GPU: activations of several MiB each, as in real training.
-        sizes = {"batch": 32, "seq": 256} | sizes
+    # Longer sequences on a GPU: activations of several MiB each, as in real training. A batch
+    # of 8 on a CPU: see NOTE [How long the demo times].
+    cuda = device.startswith("cuda")
+    sizes = ({"batch": 32, "seq": 256} if cuda else {"batch": 8}) | sizes
     config = DemoConfig(ModelConfig(seed=seed, device=device, **sizes), rounds, steps, processes)
     chosen = CASES if cases is None else cases
     console = make_console(stream, width)

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import io
 import re
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
+from tensorhooks.cli._bench.cpu import round_seconds
 from tensorhooks.cli._bench.results import BenchOptions
 from tensorhooks.cli._bench.run import _decide_line, _ours_over_torch, run_bench
 from tensorhooks.cli._main import main
@@ -110,3 +113,22 @@ def test_each_row_says_faster_slower_or_noise(spread: Spread, word: str) -> None
     first, second = cell.split("\n")
     assert re.fullmatch(rf"{spread.median:.2f}x \[\w+\]{word}\[/\]", first)
     assert second == f"{spread.low:.2f}-{spread.high:.2f}"
+
+
+def test_a_round_is_estimated_from_one_step_of_each_variant() -> None:
+    """round_seconds: a warm call of each variant timed on one thread, scaled to a round."""
+    calls: list[str] = []
+    threads = torch.get_num_threads()
+
+    def variant(name: str) -> Callable[[], None]:
+        def run() -> None:
+            calls.append(name)
+            assert torch.get_num_threads() == 1
+            time.sleep(0.01)
+
+        return run
+
+    seconds = round_seconds({"a": variant("a"), "b": variant("b")}, steps=8)
+    assert calls == ["a", "a", "b", "b"]  # a warm call, then the timed one
+    assert 2 * 0.01 * (8 + 2) <= seconds < 2 * 0.5 * (8 + 2)
+    assert torch.get_num_threads() == threads

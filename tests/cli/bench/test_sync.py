@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tensorhooks.cli._bench.results import BenchOptions
-from tensorhooks.cli._bench.sync import SyncConfig, run_sync
+from tensorhooks.cli._bench.sync import STARTUP_SECONDS, SyncConfig, run_sync, sync_seconds
 from tensorhooks.cli._verdict import TargetVerdict, target_verdict
 
 
@@ -28,3 +28,11 @@ def test_sync_gradients_part_on_two_processes() -> None:
     assert "2 rounds x 2 steps" in described
     difference = float(re.search(r"vs DDP (\S+)$", described).group(1))  # type: ignore[union-attr]
     assert difference < 1e-6
+
+
+def test_the_estimate_grows_with_rounds_and_steps() -> None:
+    """sync_seconds: the start-up, plus a step timed here for every call the rounds make."""
+    config = SyncConfig(layers=2, width=32, batch=4, warmup=1)
+    short = sync_seconds(BenchOptions(Path("."), rounds=1, steps=1), config)
+    long = sync_seconds(BenchOptions(Path("."), rounds=100, steps=100), config)
+    assert STARTUP_SECONDS < short < long
