@@ -157,6 +157,9 @@ _nothing_pinned_said = False
 """Whether this process was told that ``pin_memory=True`` pins nothing here (it is, once)."""
 
 
+_OWN_CODE = ("tensorhooks._activation_offload.", "tensorhooks._core.compile")
+
+
 def _say_nothing_pinned(device_type: str) -> None:
     """Warn, once per process, when ``pin_memory=True`` meets no available ``device_type``.
 
@@ -168,9 +171,12 @@ def _say_nothing_pinned(device_type: str) -> None:
     if is_available is not None and is_available():
         return
     # tensorhooks' own contexts (checkpoint's offload policies, the planner) ask for pinning
-    # wherever it exists; only a user's call is told. The caller is 4 frames up (see stacklevel).
-    caller = sys._getframe(4).f_globals.get("__name__", "")
-    if caller.startswith("tensorhooks."):
+    # wherever it exists; only a user's call is told. The caller: the first frame outside
+    # save_on_cpu's own code (this wing, and the entry that keeps Dynamo out).
+    frame, level = sys._getframe(1), 2
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith(_OWN_CODE):
+        frame, level = frame.f_back, level + 1
+    if frame.f_globals.get("__name__", "").startswith("tensorhooks."):
         return
     _nothing_pinned_said = True
     warnings.warn(
@@ -179,7 +185,7 @@ def _say_nothing_pinned(device_type: str) -> None:
         f"synchronously. Pass pin_memory=torch.{device_type}.is_available() to ask for this "
         "without the warning (said once per process)",
         NothingPinnedWarning,
-        stacklevel=5,  # the caller of save_on_cpu(...), through its compile-skipping entry
+        stacklevel=level,
     )
 
 

@@ -165,13 +165,14 @@ def run_bench(options: BenchOptions, stream: TextIO | None = None, width: int | 
     console.print(f"tensorhooks bench: {report.environment}")
     total = options.rounds * (3 if gpu else 1) + (SYNC not in skipped)
     variants = cpu_variants()
-    cpu_seconds = options.rounds * round_seconds(variants, options.steps)
-    estimate = f"CPU part about {_duration(cpu_seconds)}"
+    seconds = options.rounds * round_seconds(variants, options.steps)
     if SYNC not in skipped:
-        estimate += f", two processes about {_duration(sync_seconds(options))}"
+        seconds += sync_seconds(options)
+    rounds = f"{_count(options.rounds, 'round')} x {_count(options.steps, 'step')}"
     console.print(
-        f"{_count(options.rounds, 'round')} x {_count(options.steps, 'step')}: {estimate}"
-        f"{' (then the CUDA part)' if gpu else ''}; fewer --rounds or --steps is faster.",
+        f"About {_duration(seconds)} here ({rounds}"
+        f"{', two processes included' if SYNC not in skipped else ''})"
+        f"{', then the CUDA part' if gpu else ''}.",
         highlight=False,
     )
     with progress(console, total, "CPU rounds", lines=True) as advance:

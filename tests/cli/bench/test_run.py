@@ -56,7 +56,7 @@ def test_report_chart_and_skipped_gpu(tmp_path: Path) -> None:
     assert re.search(r"^Targets: 0 met, 0 missed, 9 not decidable at this noise$", output, re.M)
     assert re.search(r"^To decide: at least 3 rounds \(--rounds 3 or more\)\.$", output, re.M)
     # Up front: how long; piped: a line per round; the table's word and the ratio's label.
-    assert re.search(r"^1 round x 1 step: CPU part about \d+ s; ", output, re.M)
+    assert re.search(r"^About \d+ s here \(1 round x 1 step\)\.$", output, re.M)
     assert re.search(r"^\[1/1, \d+s\] CPU round 1$", output, re.M)
     assert re.search(r"│ +\d\.\d\dx noise │", output)  # one round: noise, by the one rule
     assert "not the ratio of the two medians" in output
