@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import tensorhooks
-from tensorhooks import checkpoint
+from tests.checkpoint.common import th_ckpt as checkpoint
 from tests.checkpoint.common import torch_ckpt
 
 Block = Callable[[torch.Tensor], torch.Tensor]
