@@ -48,7 +48,8 @@ Context = Callable[[], contextlib.AbstractContextManager[Any]]
 # second thread costs more CPU time than it saves wall time. Its batch there is 8 (`demo`): the
 # cases' steps cost half what they did at 16, and no case turns on the batch size. Most of the
 # rest is fixed: importing torch, in the demo and in the two processes of the sync_gradients
-# case, and torch._dynamo, which torch imports the first time any dispatch mode runs.
+# case, and torch._dynamo (about 1.6 CPU-seconds each time), which torch imports the first
+# time a dispatch mode runs, and DDP's constructor in each of those processes.
 # ``benchmarks/demo_cost.py`` measures the whole (target: at most 20 CPU-seconds).
 
 WARMUP = 1
