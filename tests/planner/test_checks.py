@@ -342,3 +342,29 @@ def test_a_string_budget_plans() -> None:
     profile = th.profile_step(model, step, rounds=1)
     plan = th.plan_activations(model, step, "1MiB", profile=profile)
     assert plan.budget_bytes == 1 << 20
+
+
+def test_profiling_runs_the_step_a_bounded_number_of_times_and_ties_alike_blocks() -> None:
+    """At most 4 runs a round and 3 more; blocks alike get the same times, another its own."""
+    torch.manual_seed(0)
+    narrow = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 16))
+    model = nn.Sequential(*(mlp_block() for _ in range(3)), narrow).double()
+    x = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)  # the first block is alike
+    calls = 0
+
+    def step() -> None:
+        nonlocal calls
+        calls += 1
+        model(x).sum().backward()
+
+    profile = th.profile_step(model, step, blocks=list(model), rounds=3)
+    assert 4 * 2 + 3 <= calls <= 4 * 3 + 3
+    first, *others, odd = profile.blocks
+    for block in others:
+        assert [op.seconds for op in block.ops] == [op.seconds for op in first.ops]
+        assert block.recompute_seconds == first.recompute_seconds
+        assert block.forward_seconds == first.forward_seconds
+        assert block.backward_seconds == first.backward_seconds
+        assert block.saved_bytes == first.saved_bytes  # bytes as measured, not smoothed
+    assert odd.saved_bytes < first.saved_bytes
+    assert [op.seconds for op in odd.ops] != [op.seconds for op in first.ops][: len(odd.ops)]
