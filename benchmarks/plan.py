@@ -23,7 +23,8 @@ In one run:
    transformers built from configs (when transformers is installed), each over ``--rounds``
    alternating rounds:
    - planning cost: one ``profile_step`` and ``plan_activations``, in unplanned steps (target
-     <= 5), and the slowest solve from a profile (target < 1 s);
+     <= 5), the runs of the step one profile makes (a count, the same on any machine load), and
+     the slowest solve from a profile (target < 1 s);
    - stable plans: the plans each round's profile gives for the same budgets, and how many
      budgets got one plan in every round (target: all);
    - least peak: the least budget's measured peak over full checkpointing's (target <= 1);
@@ -347,9 +348,18 @@ def _planning_rounds(
     """Planning against the unplanned step, alternating: cost per round, solves, plans."""
     plans: list[dict[float, tensorhooks.ActivationPlan]] = []
     solves: list[float] = []
+    runs: list[int] = []
 
     def planning() -> None:
-        profile = tensorhooks.profile_step(model, step)
+        calls = 0
+
+        def counted() -> None:
+            nonlocal calls
+            calls += 1
+            step()
+
+        profile = tensorhooks.profile_step(model, counted)
+        runs.append(calls)
         found = {}
         for budget in COST_BUDGETS:
             start = time.perf_counter()
@@ -365,6 +375,7 @@ def _planning_rounds(
     timings = interleaved(
         {"unplanned step": unplanned, "planning": planning}, rounds=rounds, inner=1, warmup=1
     )
+    print(f"runs of the step per profile: {min(runs)} to {max(runs)} (of {len(runs)} profiles)")
     # The warm-up round's plans are not compared.
     return timings.ratio("planning", "unplanned step"), solves, plans[1:]
 

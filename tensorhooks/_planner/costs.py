@@ -141,6 +141,18 @@ class Outcome:
     seconds: float
 
 
+TICK = 2.0**-30
+"""The grain of an outcome's seconds (about a nanosecond). On that grain a plan's seconds add
+exactly in any order, so plans that differ only in which of some alike blocks they keep tie
+exactly, and the solver's tie-break (least bytes, then block order) picks among them, rather
+than the last bits of a float sum that the profile's noise moves."""
+
+
+def ticked(seconds: float) -> float:
+    """``seconds`` on the grain of `TICK`."""
+    return round(seconds / TICK) * TICK
+
+
 def exposed_seconds(block: BlockCosts, offloaded: int, bandwidth: float | None) -> float:
     """Copy time of ``offloaded`` bytes that the block's windows do not hide, both directions."""
     if offloaded == 0 or bandwidth is None:
@@ -152,7 +164,7 @@ def exposed_seconds(block: BlockCosts, offloaded: int, bandwidth: float | None) 
 def choice_outcome(block: BlockCosts, choice: Choice, bandwidth: float | None) -> Outcome:
     """What ``choice`` holds and costs for ``block``."""
     if choice.keep:
-        return Outcome(block.saved_bytes, block.saved_bytes, 0, block.keep_seconds)
+        return Outcome(block.saved_bytes, block.saved_bytes, 0, ticked(block.keep_seconds))
     device = block.input_bytes
     backward = block.saved_bytes + block.input_unsaved_bytes
     host = 0
@@ -171,7 +183,7 @@ def choice_outcome(block: BlockCosts, choice: Choice, bandwidth: float | None) -
             saved += op.seconds
     seconds = (block.policy_seconds if any(choice.ops) else 0.0) - saved
     seconds += exposed_seconds(block, host, bandwidth)
-    return Outcome(device, backward, host, seconds)
+    return Outcome(device, backward, host, ticked(seconds))
 
 
 def plan_peak(table: CostTable, outcomes: Sequence[Outcome]) -> int:

@@ -286,6 +286,46 @@ def candidates(blocks: Sequence[BlockProfile]) -> list[list[tuple[OpOverload, in
     ]
 
 
+def _alike_smoothed(blocks: tuple[BlockProfile, ...]) -> tuple[BlockProfile, ...]:
+    """``blocks``, each block's times the medians over the blocks alike to it.
+
+    Blocks are alike when they run the same ops, with the same FLOPs and output bytes, in the
+    same order (a stack's layers on the same shapes): what tells their times apart is noise, and
+    a plan that flipped on it would not be stable. Bytes are left as they were.
+    """
+    alike: dict[tuple[object, ...], list[int]] = {}
+    for index, block in enumerate(blocks):
+        shape = tuple(
+            (op.op, op.call, op.flops, op.saved_bytes, op.other_bytes, op.recomputed)
+            for op in block.ops
+        )
+        alike.setdefault((shape, block.recompute_ops), []).append(index)
+    smoothed = list(blocks)
+    for members in alike.values():
+        if len(members) < 2:
+            continue
+        group = [blocks[index] for index in members]
+        ops = tuple(
+            dataclasses.replace(op, seconds=median([block.ops[at].seconds for block in group]))
+            for at, op in enumerate(group[0].ops)
+        )
+        forward = median([block.forward_seconds for block in group])
+        backward = median([block.backward_seconds for block in group])
+        recompute = median([block.recompute_seconds for block in group])
+        for index in members:
+            smoothed[index] = dataclasses.replace(
+                blocks[index],
+                ops=tuple(
+                    dataclasses.replace(mine, seconds=theirs.seconds)
+                    for mine, theirs in zip(blocks[index].ops, ops, strict=True)
+                ),
+                forward_seconds=forward,
+                backward_seconds=backward,
+                recompute_seconds=recompute,
+            )
+    return tuple(smoothed)
+
+
 def _summary(
     blocks: tuple[BlockProfile, ...],
     recorder: Recorder,
@@ -297,9 +337,11 @@ def _summary(
     shared = _shared(recorder)
     after = {item for item, record in recorder.saved.items() if record.parts == {count}}
     recompute = [median([row[index] for row in timings.recompute]) for index in range(count)]
-    blocks = tuple(
-        dataclasses.replace(block, recompute_seconds=seconds)
-        for block, seconds in zip(blocks, recompute, strict=True)
+    blocks = _alike_smoothed(
+        tuple(
+            dataclasses.replace(block, recompute_seconds=seconds)
+            for block, seconds in zip(blocks, recompute, strict=True)
+        )
     )
     checkpointed = median(timings.checkpointed)
     unplanned = median(timings.unplanned) if timings.unplanned else None
@@ -393,11 +435,14 @@ def profile_step(
 ) -> StepProfile:
     """Profile one training step of ``model``: what each op of each block saves and costs.
 
-    The step runs once with every block checkpointed under a dispatch mode that times each op
-    (the clock on a CPU, CUDA events on a GPU) and counts its FLOPs, with saved-tensor hooks
-    that see what each block's recomputation keeps for backward; then it is timed over
-    ``rounds`` interleaved rounds with every block recomputed, with a policy that caches
-    nothing (what a policy's dispatch costs), and with no plan (unless ``unplanned=False``). On
+    After one watched warm-up step, the step runs once with every block checkpointed under a
+    dispatch mode that times each op (the clock on a CPU, CUDA events on a GPU) and counts its
+    FLOPs, with saved-tensor hooks that see what each block's recomputation keeps for backward;
+    then it is timed over up to ``rounds`` interleaved rounds with every block recomputed, with
+    a policy that caches nothing (what a policy's dispatch costs), and with no plan (unless
+    ``unplanned=False``): ``4 * rounds + 3`` runs of the step at most, 11 when the first two
+    rounds agree. Blocks that run the same ops on the same shapes get the medians of their
+    times, so that noise does not tell them apart. On
     CUDA the pinned host↔device bandwidth is measured once per process. `plan_activations`
     takes the result, so several budgets can be planned from one profile. Under FSDP2
     (``fully_shard``) every rank of the model's mesh must call it: the ranks agree on one
@@ -426,7 +471,8 @@ def profile_step(
             stack of repeated layers (``model.model.layers`` of a Hugging Face model, both
             stacks of T5), less a stack the step does not run. The profile lists them in the
             order the step runs them.
-        rounds: timed rounds of each variant (one more warms up).
+        rounds: at most this many timed rounds of each variant; two when every variant's two
+            times agree within 2%.
         unplanned: also time (and measure) the step with no plan; pass False when it does not
             fit in memory, and the cost of checkpointing a block beyond its recomputation is
             then taken as 0.
@@ -458,7 +504,6 @@ def profile_step(
         named = _in_run_order(model, named, step, default=blocks is None)
         modules = [module for _, module in named]
         recorder = instrumented(model, modules, step, clock)
-        recorder.fastest(instrumented(model, modules, step, clock))
         profiled = _blocks(recorder, [name for name, _ in named])
         timings = timed(
             model,
@@ -468,6 +513,7 @@ def profile_step(
             rounds=rounds,
             unplanned=unplanned,
             candidates=candidates(profiled),
+            checkpointed_peak=recorder.held.peak[0],
         )
     bandwidth = measured_bandwidth(where) if where.type == "cuda" else None
     return agreed(_summary(profiled, recorder, timings, bandwidth, where), model)

@@ -35,6 +35,7 @@ from .accounting import HeldBytes, Hold, holding_hooks, module_keys, storage_byt
 from .apply import FULL, KEEP, SAVE, Action, Application, OpKey, Watcher, tensors_in
 
 __all__ = [
+    "AGREED",
     "BEFORE",
     "BETWEEN",
     "Recorder",
@@ -70,9 +71,19 @@ __all__ = [
 # every predicted step time, and each block's recomputation time), with a selective policy that
 # caches nothing (what a policy's dispatch modes cost per op), and, unless asked not to, with no
 # plan (what checkpointing costs a block beyond its recomputation).
+#
+# Every run of the step is paid for, so none is spent twice: the watched warm-up step also warms
+# up the op times, the op times are read from the one instrumented run (each op under its own
+# timer), the peak with every block recomputed is the instrumented run's own count of held bytes
+# (its hooks hold what `measured_peak` holds), the run that measures the unplanned peak warms up
+# the unplanned variant, and the rounds stop after two once every variant's two times agree within
+# `AGREED` (the medians of more rounds would not move). Noise the rounds leave is smoothed across
+# the blocks: blocks that run the same ops on the same shapes (a stack's layers) get the medians
+# of their times, so they tie exactly and the solver's ties are broken by bytes, then block order.
 
 BEFORE = -1  # the model's forward before the first block: held for the whole step
 BETWEEN = -2  # outside the blocks, between the first and the last: held for the whole step
+AGREED = 0.02  # the relative spread of a variant's times under which more rounds are not run
 
 
 class StepClock:
@@ -186,16 +197,6 @@ class Recorder(Watcher):
                 sums = self.backward_seconds if backward else self.forward_seconds
                 sums[part] += clock.seconds(start, end)
         self.marks = []
-
-    def fastest(self, other: Recorder) -> None:
-        """Take each op's and part's lesser time of this run and ``other`` (same step)."""
-        for mine, theirs in zip(self.ops, other.ops, strict=True):
-            earlier = {(record.op, record.call): record.seconds for record in theirs}
-            for record in mine:
-                record.seconds = min(record.seconds, earlier.get((record.op, record.call), 1e30))
-        for name in ("forward_seconds", "backward_seconds"):
-            pairs = zip(getattr(self, name), getattr(other, name), strict=True)
-            setattr(self, name, [min(pair) for pair in pairs])
 
     def merge_remade(self) -> None:
         """Name what recomputations kept after the forward outputs they are made again from.
@@ -527,11 +528,15 @@ def timed(
     rounds: int,
     unplanned: bool,
     candidates: list[list[OpKey]],
+    checkpointed_peak: int,
 ) -> Timings:
     """Time the step interleaved: every block recomputed, a policy caching nothing, no plan.
 
     With ``unplanned``, also a policy that saves every candidate op (it holds about what no
-    plan holds): what caching an op costs, beyond the time its recomputation takes.
+    plan holds): what caching an op costs, beyond the time its recomputation takes. At most
+    ``rounds`` rounds, two when every variant's two times agree within `AGREED`; no warm-up
+    round (the steps run before warmed them up). ``checkpointed_peak`` is the peak with every
+    block recomputed, as the instrumented run measured it.
     """
     count = len(blocks)
     timer = _Timer(count, clock)
@@ -546,21 +551,18 @@ def timed(
             for keys in candidates
         ]
         variants["cached"] = Application(blocks, every)
-    checkpointed_peak = measured_peak(model, blocks, [FULL] * count, step)
     unplanned_peak = measured_peak(model, blocks, [KEEP] * count, step) if unplanned else None
     samples: dict[str, list[float]] = {name: [] for name in variants}
     recompute: list[list[float]] = []
     names = list(variants)
-    for index in range(rounds + 1):  # the first round warms up
+    for index in range(rounds):
         shift = index % len(names)
         for name in names[shift:] + names[:shift]:
-            seconds = _time_once(variants[name], step, clock)
+            samples[name].append(_time_once(variants[name], step, clock))
             if name == "checkpointed":
-                per_block = timer.per_block()
-                if index:
-                    recompute.append(per_block)
-            if index:
-                samples[name].append(seconds)
+                recompute.append(timer.per_block())
+        if index == 1 and all(_agreed(times) for times in samples.values()):
+            break
     return Timings(
         samples["checkpointed"],
         samples["policy"],
@@ -570,6 +572,11 @@ def timed(
         checkpointed_peak,
         unplanned_peak,
     )
+
+
+def _agreed(times: Sequence[float]) -> bool:
+    """Whether ``times`` differ by at most `AGREED` of the least."""
+    return max(times) - min(times) <= AGREED * min(times)
 
 
 def _time_once(

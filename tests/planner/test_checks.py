@@ -342,3 +342,76 @@ def test_a_string_budget_plans() -> None:
     profile = th.profile_step(model, step, rounds=1)
     plan = th.plan_activations(model, step, "1MiB", profile=profile)
     assert plan.budget_bytes == 1 << 20
+
+
+def test_profiling_runs_the_step_a_bounded_number_of_times_and_ties_alike_blocks() -> None:
+    """At most 4 runs a round and 3 more; blocks alike get the same times, another its own."""
+    torch.manual_seed(0)
+    narrow = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 16))
+    model = nn.Sequential(*(mlp_block() for _ in range(3)), narrow).double()
+    x = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)  # the first block is alike
+    calls = 0
+
+    def step() -> None:
+        nonlocal calls
+        calls += 1
+        model(x).sum().backward()
+
+    profile = th.profile_step(model, step, blocks=list(model), rounds=3)
+    assert 4 * 2 + 3 <= calls <= 4 * 3 + 3
+    first, *others, odd = profile.blocks
+    for block in others:
+        assert [op.seconds for op in block.ops] == [op.seconds for op in first.ops]
+        assert block.recompute_seconds == first.recompute_seconds
+        assert block.forward_seconds == first.forward_seconds
+        assert block.backward_seconds == first.backward_seconds
+        assert block.saved_bytes == first.saved_bytes  # bytes as measured, not smoothed
+    assert odd.saved_bytes < first.saved_bytes
+    assert [op.seconds for op in odd.ops] != [op.seconds for op in first.ops][: len(odd.ops)]
+
+
+def scaled(profile: th.StepProfile, factor: float) -> th.StepProfile:
+    """``profile`` with every time multiplied by ``factor`` (bytes as they were)."""
+    blocks = tuple(
+        replace(
+            block,
+            ops=tuple(replace(op, seconds=op.seconds * factor) for op in block.ops),
+            forward_seconds=block.forward_seconds * factor,
+            backward_seconds=block.backward_seconds * factor,
+            recompute_seconds=block.recompute_seconds * factor,
+        )
+        for block in profile.blocks
+    )
+    times = {
+        name: getattr(profile, name) * factor
+        for name in (
+            "after_forward_seconds",
+            "after_backward_seconds",
+            "checkpointed_step_seconds",
+            "checkpoint_overhead_seconds",
+            "policy_op_seconds",
+            "cached_op_seconds",
+        )
+    }
+    unplanned = profile.unplanned_step_seconds
+    return replace(
+        profile,
+        blocks=blocks,
+        unplanned_step_seconds=None if unplanned is None else unplanned * factor,
+        **times,
+    )
+
+
+def test_alike_blocks_are_planned_alike_whatever_the_scale_of_their_times() -> None:
+    """Ties among a stack's layers go to bytes, then block order, not to a float sum's last bits."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(mlp_block() for _ in range(12))).double()
+    x = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)
+    step = lambda: model(x).sum().backward()  # noqa: E731
+    profile = th.profile_step(model, step, rounds=1)
+    for budget in (0.3, 0.5, 0.7, 0.9):
+        plans = {
+            tuple(th.plan_activations(model, step, budget, profile=scaled(profile, f)).choices)
+            for f in (0.37, 1.0, 1.3, 2.9, 7.1)
+        }
+        assert len(plans) == 1, budget
