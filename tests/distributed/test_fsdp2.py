@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -97,9 +98,14 @@ class TestTwoRanks:
                 _check(case)
 
     def test_example_trains_under_torchrun(self, tmp_path: Path) -> None:
-        """examples/train_fsdp2_torchrun.py runs on two gloo ranks started by torchrun."""
+        """examples/train_fsdp2_torchrun.py trains under a plan within budget on both ranks."""
         output = run_script(ROOT / "examples" / "train_fsdp2_torchrun.py", tmp_path, "--steps", "3")
+        assert "activation plan on cpu, no host link" in output, output
         assert "step 2: loss" in output, output
+        peaks = re.findall(r"rank (\d): activation peak ([\d,]+) bytes, budget ([\d,]+)", output)
+        assert [rank for rank, _, _ in peaks] == ["0", "1"], output
+        for _, peak, budget in peaks:
+            assert 0 < int(peak.replace(",", "")) <= int(budget.replace(",", "")), output
         assert "trained 3 steps on 2 ranks, cpu" in output, output
 
 
