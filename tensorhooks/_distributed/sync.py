@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tensorhooks._core.compile import runs_eagerly
 from tensorhooks._core.errors import (
     GradientSyncError,
     SyncArgumentTypeError,
@@ -266,6 +267,7 @@ class GradientSyncHandle:
         deferred = self._deferred
         touched = self._touched
 
+        @runs_eagerly  # See NOTE [Contexts under torch.compile]
         def after_accumulation(grad_inputs: Any, grad_outputs: Any) -> None:
             task_id = current_graph_task_id()
             touched[task_id] = None

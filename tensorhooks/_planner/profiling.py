@@ -21,7 +21,7 @@ from tensorhooks._core.torch_compat import OpOverload
 from .apply import FULL, Application
 from .blocks import repeated_stacks, resolve_blocks
 from .checks import StepWatch, check_model_state, untouched
-from .ranks import agreed
+from .ranks import agreed, together
 from .recording import (
     BEFORE,
     BETWEEN,
@@ -493,14 +493,17 @@ def profile_step(
             checkpointing is on (Hugging Face's ``gradient_checkpointing_enable()``) (a
             ``RuntimeError``).
     """
-    named = resolve_blocks(model, blocks, "profile_step")
-    check_step(step, "profile_step")
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise PlanArgumentValueError(f"profile_step: rounds must be an int >= 1, got {rounds!r}")
-    check_model_state(model, "profile_step")
-    where = device_of(model, device)
-    clock = StepClock(where)
-    with untouched(model, "profile_step"):
+    with together(model, "profile_step"):  # no collective runs here
+        named = resolve_blocks(model, blocks, "profile_step")
+        check_step(step, "profile_step")
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+            raise PlanArgumentValueError(
+                f"profile_step: rounds must be an int >= 1, got {rounds!r}"
+            )
+        check_model_state(model, "profile_step")
+        where = device_of(model, device)
+        clock = StepClock(where)
+    with together(model, "profile_step"), untouched(model, "profile_step"):
         named = _in_run_order(model, named, step, default=blocks is None)
         modules = [module for _, module in named]
         recorder = instrumented(model, modules, step, clock)
@@ -515,5 +518,6 @@ def profile_step(
             candidates=candidates(profiled),
             checkpointed_peak=recorder.held.peak[0],
         )
-    bandwidth = measured_bandwidth(where) if where.type == "cuda" else None
-    return agreed(_summary(profiled, recorder, timings, bandwidth, where), model)
+        bandwidth = measured_bandwidth(where) if where.type == "cuda" else None
+        summary = _summary(profiled, recorder, timings, bandwidth, where)
+    return agreed(summary, model)

@@ -5,6 +5,7 @@ See NOTE [Plans under FSDP2] below.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import zlib
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ from torch import nn
 from tensorhooks._core.errors import PlanStateError
 from tensorhooks._core.torch_compat import fsdp_meshes
 
-__all__ = ["agreed", "figures"]
+__all__ = ["agreed", "figures", "together"]
 
 # NOTE [Plans under FSDP2]
 #
@@ -41,6 +42,16 @@ __all__ = ["agreed", "figures"]
 # step across ranks. The profile's structure (blocks, ops, which outputs a policy may cache) must
 # be the same on every rank: it is compared first, and a difference raises. The device stays each
 # rank's own.
+#
+# A failure on one rank fails them all. Were one rank to raise while profiling, the others would
+# wait in the next collective until the process group's timeout (half an hour by default). So
+# profiling runs in two stages, each ended by `together`: every rank all-reduces whether it
+# failed (and its rank) before any figure is exchanged. The failing rank raises its own error;
+# the others a PlanStateError that names it. The first stage checks the arguments and the model
+# (no collective runs there, so every rank reaches its end); the second runs the profiled steps
+# and summarizes them. A step that raises on one rank while the others are inside one of FSDP2's
+# own collectives (an all-gather in the forward) is not covered: they wait there, as FSDP2 does
+# without tensorhooks; the failing process exiting (torchrun then stops the others) ends it.
 
 _Profile = TypeVar("_Profile")
 
@@ -106,6 +117,39 @@ def _groups(model: nn.Module) -> list[tuple[Any, str]]:
         for mesh in fsdp_meshes(model)
         for dim in range(mesh.ndim)
     ]
+
+
+@contextlib.contextmanager
+def together(model: object, caller: str) -> Iterator[None]:
+    """Run the body on every rank of the meshes sharding ``model``: if one rank raises, all do.
+
+    A collective at the body's end, on success and failure alike (see NOTE [Plans under FSDP2]).
+    The failing rank re-raises its own error; every other rank raises `PlanStateError` naming
+    the lowest failing rank. Without ``fully_shard`` in ``model``, the body alone.
+    """
+    groups = _groups(model) if isinstance(model, nn.Module) else []
+    failure: BaseException | None = None
+    try:
+        yield
+    except BaseException as error:
+        if not groups or not isinstance(error, Exception):
+            raise  # one process; or an interrupt, which must not wait for the others
+        failure = error
+    if not groups:
+        return
+    rank = torch.distributed.get_rank()
+    # The lowest failing rank: MAX over (world - rank) for the failed, 0 for the rest.
+    world = torch.distributed.get_world_size()
+    flags = _all_max(torch.tensor([float(world - rank if failure else 0)]), groups)
+    if failure is not None:
+        raise failure
+    if flags[0].item() > 0:
+        failed = world - round(flags[0].item())
+        raise PlanStateError(
+            f"{caller}: rank {failed} raised while profiling the step, so no rank can plan; "
+            f"its error is in rank {failed}'s output. Fix it there; every rank of the mesh "
+            "must profile the same step"
+        )
 
 
 def _all_max(values: torch.Tensor, groups: list[tuple[Any, str]]) -> torch.Tensor:

@@ -27,12 +27,14 @@ import tensorhooks as th
 
 from .torchrun import cpu_mesh, full_grads, max_difference, run_rank
 
-CASES = 24  # drawn FSDP2 cases per run; each costs a few hundred milliseconds
+CASES = 21  # drawn FSDP2 cases per run; each costs a few hundred milliseconds
 DDP_CASES = 6
 BATCH_PER_RANK = 3
 CHECKPOINTS = (None, "full", "save_matmuls", "offload_matmuls")
 CONTEXTS = (None, "save_on_cpu", "mutation", "disable_hooks")
 SHARDINGS = ("blocks", "blocks_kept_after_forward", "blocks_on_dim_1", "root_only")
+# plan_activations' budget, from the least peak any plan reaches (0) to the unplanned peak (1).
+PLAN_BUDGETS = (0.0, 0.5, 1.0)
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu_": torch.relu_,  # in place, on a tensor `up` did not save
     "relu": torch.relu,
@@ -62,20 +64,24 @@ class Case:
     # freeing their weights after forward or with their matrices sharded on dimension 1 (FSDP2
     # gathers those through another copy), or the root alone (one unit for the whole model).
     sharding: str = "blocks"
+    # The blocks run under plan_activations at this budget (see PLAN_BUDGETS), with no
+    # checkpoint or context of their own; None: no plan.
+    plan: float | None = None
 
 
 def draw_case(rng: random.Random) -> Case:
     """A random case; combinations that one process refuses too are not drawn."""
-    context = rng.choice(CONTEXTS)
-    checkpoint = None if context == "disable_hooks" else rng.choice(CHECKPOINTS)
+    plan = rng.choice(PLAN_BUDGETS) if rng.random() < 0.25 else None
+    context = None if plan is not None else rng.choice(CONTEXTS)
+    checkpoint = None if context == "disable_hooks" or plan is not None else rng.choice(CHECKPOINTS)
     sharding = rng.choice(SHARDINGS)
     # FSDP2 needs dimension 1 to split evenly over the ranks (two here).
     widths, hiddens = (
         ((6, 8), (12,)) if sharding == "blocks_on_dim_1" else ((5, 6, 7, 8), (7, 9, 12))
     )
     activation = rng.choice(ACTIVATIONS)
-    if activation == "relu_" and checkpoint in ("save_matmuls", "offload_matmuls"):
-        activation = "relu"  # it would write the matmul output the policy keeps: raises
+    if activation == "relu_" and (checkpoint in ("save_matmuls", "offload_matmuls") or plan):
+        activation = "relu"  # it would write a matmul output the policy keeps: raises
     return Case(
         seed=rng.randrange(2**16),
         blocks=rng.randint(2, 4),
@@ -88,8 +94,9 @@ def draw_case(rng: random.Random) -> Case:
         checkpoint=checkpoint,
         checkpoint_outside=checkpoint is not None and rng.random() < 0.5,
         context=context,
-        grad_of_input=rng.random() < 0.25,
+        grad_of_input=plan is None and rng.random() < 0.25,
         sharding=sharding,
+        plan=plan,
     )
 
 
@@ -176,15 +183,34 @@ def batch(case: Case, step: int, world: int) -> torch.Tensor:
     return torch.randn(BATCH_PER_RANK * world, case.width, dtype=torch.float64, generator=generator)
 
 
+def planned(model: nn.Module, case: Case, x: torch.Tensor) -> th.ActivationPlan:
+    """``model``'s blocks planned for a step on ``x`` at ``case.plan``; a collective under FSDP2.
+
+    The budget lies ``case.plan`` of the way from the least peak any plan reaches to the unplanned.
+    """
+    assert case.plan is not None
+    blocks = list(model.blocks)  # type: ignore[arg-type]  # a ModuleList
+
+    def step() -> None:
+        model(x).pow(2).mean().backward()
+
+    profile = th.profile_step(model, step, blocks=blocks, rounds=1)
+    unplanned = th.plan_activations(model, step, 1.0, blocks=blocks, profile=profile)
+    least, most = unplanned.least_peak_bytes, unplanned.budget_bytes
+    return th.plan_activations(
+        model, step, least + round(case.plan * (most - least)), blocks=blocks, profile=profile
+    )
+
+
 def train(
-    model: nn.Module, case: Case, xs: list[torch.Tensor]
+    model: nn.Module, case: Case, xs: list[torch.Tensor], plan: th.ActivationPlan | None = None
 ) -> tuple[list[list[torch.Tensor | None]], list[torch.Tensor]]:
     """Two steps of SGD; the gradients after each backward, and the input gradients."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     grads, input_grads = [], []
     for batch_x in xs:
         x = batch_x.clone().requires_grad_(case.grad_of_input)
-        with feature_context(case):
+        with feature_context(case), plan if plan is not None else contextlib.nullcontext():
             loss = model(x).pow(2).mean()
             if case.grad_of_input:
                 (grad,) = torch.autograd.grad(loss, [x], retain_graph=True)
@@ -236,8 +262,17 @@ def fsdp2_case(case: Case, rank: int, world: int) -> dict[str, Any]:
     fully_shard(model, mesh=mesh)
     xs = [batch(case, step, world) for step in range(2)]
     expected = train(reference, case, xs)
-    got = train(model, case, [x.chunk(world)[rank] for x in xs])
-    return {**asdict(case), **_compare(got, expected, rank, world)}
+    local = [x.chunk(world)[rank] for x in xs]
+    plan = None if case.plan is None else planned(model, case, local[0])
+    got = train(model, case, local, plan)
+    return {**asdict(case), **_compare(got, expected, rank, world), **_peak(plan)}
+
+
+def _peak(plan: th.ActivationPlan | None) -> dict[str, int | None]:
+    """What the plan's blocks held for backward at most over training, and its budget."""
+    if plan is None:
+        return {"measured": None, "budget": None}
+    return {"measured": plan.measured_peak_bytes, "budget": plan.budget_bytes}
 
 
 def ddp_case(case: Case, rank: int, world: int) -> dict[str, Any]:
@@ -247,8 +282,10 @@ def ddp_case(case: Case, rank: int, world: int) -> dict[str, Any]:
     model = DistributedDataParallel(copy.deepcopy(reference))
     xs = [batch(case, step, world) for step in range(2)]
     expected = train(reference, case, xs)
-    got = train(model, case, [x.chunk(world)[rank] for x in xs])
-    return {**asdict(case), **_compare(got, expected, rank, world)}
+    local = [x.chunk(world)[rank] for x in xs]
+    plan = None if case.plan is None else planned(model.module, case, local[0])
+    got = train(model, case, local, plan)
+    return {**asdict(case), **_compare(got, expected, rank, world), **_peak(plan)}
 
 
 def transformers_case(context: str | None, rank: int, world: int) -> dict[str, Any]:

@@ -862,3 +862,48 @@ class TestRemove:
 
 if __name__ == "__main__":
     run_worker(SCENARIOS, int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+
+
+def _compiled_backward_counts(sync: bool) -> tuple[dict[str, int], list[torch.Tensor]]:
+    """Dynamo's graphs and breaks for a compiled step that runs backward; the gradients."""
+    import warnings
+
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    handle = sync_gradients(model) if sync else None
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss.detach()
+
+    dynamo.reset()
+    counters.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.compile(step, backend="aot_eager")(torch.randn(4, 8))
+    counts = {
+        "graph_break": sum(counters["graph_break"].values()),
+        "unique_graphs": counters["stats"]["unique_graphs"],
+    }
+    if handle is not None:
+        handle.remove()
+    dynamo.reset()
+    return counts, [param.grad.clone() for param in model.parameters()]  # type: ignore[union-attr]
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_backward_in_a_compiled_function_compiles_none_of_sync_gradients_hooks() -> None:
+    """Its accumulator hooks run eagerly: no graph or break beyond the plain step's, same grads.
+
+    Compiled, they added a graph and a break per step (each hook a frame of its own).
+    """
+    plain, plain_grads = _compiled_backward_counts(sync=False)
+    synced, synced_grads = _compiled_backward_counts(sync=True)
+    assert synced["unique_graphs"] <= plain["unique_graphs"], (synced, plain)
+    assert synced["graph_break"] <= plain["graph_break"], (synced, plain)
+    for mine, theirs in zip(synced_grads, plain_grads, strict=True):
+        torch.testing.assert_close(mine, theirs)  # a world of one: the average is the gradient

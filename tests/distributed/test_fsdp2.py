@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +19,11 @@ from tensorhooks import (
 )
 from tensorhooks.distributed import sync_gradients
 
-from .fsdp2_ranks import CHECKPOINTS, CONTEXTS, SHARDINGS
+from .fsdp2_ranks import CHECKPOINTS, CONTEXTS, PLAN_BUDGETS, SHARDINGS
 from .test_distributed import world_of_one  # noqa: F401  # a fixture: found by name
 from .torchrun import ROOT, cpu_mesh, full_grads, launch, run_script
 
-SEED = "15"
+SEED = "777"
 # float64 on two ranks against one process: only the order of additions differs.
 RELATIVE_TOLERANCE = 1e-9
 
@@ -56,6 +57,17 @@ class TestTwoRanks:
             for case in report["ddp"]:
                 _check(case)
 
+    def test_plans_hold_their_budget_on_every_rank(self, ranks: list[dict[str, Any]]) -> None:
+        """Drawn cases under plan_activations: each rank held at most the shared budget."""
+        for report in ranks:
+            planned = [case for case in report["fsdp2"] + report["ddp"] if case["plan"] is not None]
+            assert planned
+            for case in planned:
+                assert 0 < case["measured"] <= case["budget"], case
+        # One plan for every rank under FSDP2: the same budget on both.
+        budgets = [[case["budget"] for case in report["fsdp2"]] for report in ranks]
+        assert budgets[0] == budgets[1]
+
     def test_ranks_ran_the_same_cases(self, ranks: list[dict[str, Any]]) -> None:
         """Both ranks drew the same cases (a collective would hang otherwise, but say so)."""
         strip = ("max_diff",)
@@ -66,11 +78,13 @@ class TestTwoRanks:
         assert [case["seed"] for case in first] == [case["seed"] for case in second]
 
     def test_draws_cover_every_feature_and_order(self, ranks: list[dict[str, Any]]) -> None:
-        """The seed draws each checkpoint kind, context, sharding, both orders, writes, grad()."""
+        """The seed draws every checkpoint kind, context, sharding, plan budget, order, grad()."""
         cases = ranks[0]["fsdp2"]
         assert {case["checkpoint"] for case in cases} == set(CHECKPOINTS)
         assert {case["context"] for case in cases} == set(CONTEXTS)
         assert {case["sharding"] for case in cases} == set(SHARDINGS)
+        assert {case["plan"] for case in cases} == {None, *PLAN_BUDGETS}
+        assert any(case["plan"] is not None for case in ranks[0]["ddp"])
         # The mutation context saving weights that FSDP2 frees and gathers again, through each
         # of its two copies (dimension 0, dimension 1), outside any checkpoint region.
         for sharding in ("blocks", "blocks_on_dim_1"):
@@ -97,9 +111,14 @@ class TestTwoRanks:
                 _check(case)
 
     def test_example_trains_under_torchrun(self, tmp_path: Path) -> None:
-        """examples/train_fsdp2_torchrun.py runs on two gloo ranks started by torchrun."""
+        """examples/train_fsdp2_torchrun.py trains under a plan within budget on both ranks."""
         output = run_script(ROOT / "examples" / "train_fsdp2_torchrun.py", tmp_path, "--steps", "3")
+        assert "activation plan on cpu, no host link" in output, output
         assert "step 2: loss" in output, output
+        peaks = re.findall(r"rank (\d): activation peak ([\d,]+) bytes, budget ([\d,]+)", output)
+        assert [rank for rank, _, _ in peaks] == ["0", "1"], output
+        for _, peak, budget in peaks:
+            assert 0 < int(peak.replace(",", "")) <= int(budget.replace(",", "")), output
         assert "trained 3 steps on 2 ranks, cpu" in output, output
 
 

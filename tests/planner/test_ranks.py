@@ -7,6 +7,7 @@ module as each rank): one launch runs every case, and the tests read what each r
 from __future__ import annotations
 
 import gc
+import time
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -129,6 +130,27 @@ def _mismatch(rank: int, mesh: Any) -> dict[str, Any]:
     return {"error": None}
 
 
+def _failure(rank: int, mesh: Any) -> dict[str, Any]:
+    """Profiling raises on rank 1 only (its blocks are not the model's): how each rank ends."""
+    model = sharded(make_model(16), mesh)
+    local = batches([6, 6])[rank]
+    blocks = [nn.Linear(2, 2)] if rank == 1 else list(model)
+
+    def step() -> None:
+        model(local).sum().backward()
+
+    started = time.monotonic()
+    try:
+        th.profile_step(model, step, blocks=blocks, rounds=1)
+    except Exception as error:  # reported to the test, which checks its class
+        return {
+            "error": type(error).__name__,
+            "message": str(error),
+            "seconds": time.monotonic() - started,
+        }
+    return {"error": None}
+
+
 def cases(rank: int, world: int) -> dict[str, Any]:
     """One rank of the torchrun launch: every case."""
     assert world == WORLD_SIZE
@@ -138,6 +160,8 @@ def cases(rank: int, world: int) -> dict[str, Any]:
         # the ranks' inputs differ in length too.
         "even": _case(rank, mesh, 48, [8, 8], budgets=5),
         "uneven": _case(rank, mesh, 47, [9, 5], budgets=5),
+        "failed": _failure(rank, mesh),
+        # After a failure the ranks are still in step: the next collective matches.
         "mismatch": _mismatch(rank, mesh),
     }
 
@@ -197,6 +221,21 @@ class TestTwoRanks:
             error = rank["mismatch"]["error"]
             assert error is not None
             assert "another structure" in error
+
+    def test_a_failure_on_one_rank_raises_on_every_rank(
+        self, two_ranks: list[dict[str, Any]]
+    ) -> None:
+        """Rank 1 raises while profiling: its own error there, PlanStateError naming it on 0.
+
+        At once, not after the process group's timeout (120 s in the launch).
+        """
+        first, second = (rank["failed"] for rank in two_ranks)
+        assert first["error"] == "PlanStateError", first
+        assert "rank 1 raised while profiling" in first["message"]
+        assert second["error"] == "PlanArgumentValueError", second
+        assert "not a submodule" in second["message"]
+        assert first["seconds"] < 60
+        assert second["seconds"] < 60
 
 
 # --- one process: a gloo group of one rank ----------------------------------------------------
