@@ -111,12 +111,12 @@ def checkpointed(kind: str | None, function: Callable[..., Any], x: torch.Tensor
     if kind is None:
         return function(x)
     if kind == "full":
-        return th.checkpoint(function, x)
+        return th.checkpoint(function, x, use_reentrant=False)
     context_fn = functools.partial(
         th.create_selective_checkpoint_contexts,
         functools.partial(_policy, kind == "offload_matmuls"),
     )
-    return th.checkpoint(function, x, context_fn=context_fn)
+    return th.checkpoint(function, x, context_fn=context_fn, use_reentrant=False)
 
 
 class Block(nn.Module):
