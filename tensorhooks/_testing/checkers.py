@@ -208,13 +208,13 @@ class _Inline:
     so that state the region writes itself does not count), or a region under a selective
     policy (``context_fn``) that writes in place (a saved output written later is refused).
     It notes too what the function reached through its closure and globals (and the lists,
-    tuples, dicts, objects and modules there), to tell one of those replaced or its data
-    swapped since the call.
+    tuples, dicts, objects and modules there), to tell one of those replaced, its data
+    swapped or written in place since the call.
     """
 
     def __init__(self) -> None:
         self.read: list[tuple[torch.Tensor, int]] = []
-        self.reached: list[tuple[Callable[..., Any], list[tuple[torch.Tensor, int]]]] = []
+        self.reached: list[tuple[Callable[..., Any], list[_Held]]] = []
         self.policy_writes = False
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -241,15 +241,24 @@ class _Inline:
         )
 
 
-def _reached(function: Callable[..., Any]) -> list[tuple[torch.Tensor, int]]:
-    """The tensors ``function`` reaches by its closure and the globals it names, with storages."""
+# A tensor reached, with its storage's address and its version.
+_Held = tuple[torch.Tensor, int, int]
+
+
+def _reached(function: Callable[..., Any]) -> list[_Held]:
+    """The tensors ``function`` reaches by its closure and the globals it names.
+
+    Each with its storage and version: checkpoint holds recomputation to what the forward pass
+    read, so a tensor reached and written since (by an optimizer step, say) explains its
+    in-place error even where plain autograd saved nothing of it.
+    """
     values: list[Any] = []
     for cell in getattr(function, "__closure__", None) or ():
         with contextlib.suppress(ValueError):  # an empty cell
             values.append(cell.cell_contents)
     code, names = getattr(function, "__code__", None), getattr(function, "__globals__", {})
     values.extend(names[name] for name in (code.co_names if code else ()) if name in names)
-    return [(t, t.untyped_storage().data_ptr()) for t in _held(values, 0)]
+    return [(t, t.untyped_storage().data_ptr(), t._version) for t in _held(values, 0)]
 
 
 def _held(value: Any, depth: int) -> Iterator[torch.Tensor]:
@@ -269,10 +278,10 @@ def _held(value: Any, depth: int) -> Iterator[torch.Tensor]:
         yield from _held(vars(value), depth + 1)
 
 
-def _changed(before: list[tuple[torch.Tensor, int]], now: list[tuple[torch.Tensor, int]]) -> bool:
+def _changed(before: list[_Held], now: list[_Held]) -> bool:
     return len(before) != len(now) or any(
-        a is not b or pointer_a != pointer_b
-        for (a, pointer_a), (b, pointer_b) in zip(before, now, strict=True)
+        a is not b or pointer_a != pointer_b or version_a != version_b
+        for (a, pointer_a, version_a), (b, pointer_b, version_b) in zip(before, now, strict=True)
     )
 
 

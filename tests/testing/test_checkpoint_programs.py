@@ -332,3 +332,39 @@ def test_every_holder_and_change_is_drawn(sign: str) -> None:
         ),
     )
     assert re.search(pattern, example.source)
+
+
+# A weight reached through an object, stepped after the call: plain autograd saved nothing of it
+# (the input needs no grad), checkpoint raises because recomputation would read another weight.
+_STEPPED_AFTER_THE_CALL = """
+import torch
+import types
+from tensorhooks import checkpoint
+
+
+def make_leaves():
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(4, 4, dtype=torch.float64, generator=generator).requires_grad_()]
+
+
+def program(leaves):
+    leaf0, = leaves
+    const = torch.linspace(-1, 1, 16, dtype=torch.float64).reshape(4, 4)
+    box0 = types.SimpleNamespace(t=leaf0)
+    def region0(x):
+        return torch.nn.functional.linear(x, box0.t)
+    loss = checkpoint(region0, const, use_reentrant=False).sum()
+    leaf0.grad = torch.ones_like(leaf0)
+    torch.optim.Adam([leaf0], lr=0.25, foreach=False).step()
+    leaf0.grad = None
+    loss.backward()
+    return [leaf0.grad]
+"""
+
+
+def test_a_reached_tensor_stepped_after_the_call_explains_the_in_place_error() -> None:
+    """Checkpoint's error for a weight stepped since the call is accepted, not a false alarm."""
+    program = Program(source=_STEPPED_AFTER_THE_CALL, n_leaves=1)
+    with pytest.raises(tensorhooks.SavedTensorModifiedError):
+        program.run(program.make_leaves(), checkpoint=tensorhooks.checkpoint)
+    assert check_checkpoint(program)
