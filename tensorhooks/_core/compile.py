@@ -38,8 +38,10 @@ __all__ = ["not_traced", "runs_eagerly", "warn_compile_skipped"]
 # makes every hook function of this package that it pushes skipped by Dynamo, with what it
 # calls (`skip_code_in_dynamo`); a user's hook called from one of ours runs eagerly with it.
 # The same holds for the other functions autograd calls back: the tensor hooks of
-# register_multi_grad_hook, sync_gradients' accumulator hooks, and the graph-task store's
-# end-of-task callback and finalizer, run
+# register_multi_grad_hook, sync_gradients' accumulator hooks, offload_parameters' gradient
+# hooks and end-of-task callbacks, allow_mutation_on_saved_tensors' version check on nodes that
+# saved through another's hooks, and the graph-task store's end-of-task callback and finalizer,
+# run
 # by a backward called inside a compiled function, are marked with `runs_eagerly`.
 #
 # allow_mutation_on_saved_tensors works through a TorchDispatchMode, and Dynamo skips every

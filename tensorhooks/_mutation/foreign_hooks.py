@@ -13,6 +13,7 @@ from typing import Any, Protocol, TypeAlias
 
 import torch
 
+from tensorhooks._core.compile import runs_eagerly
 from tensorhooks._core.errors import UnguardedHooksError
 from tensorhooks._core.guards import (
     PackHook,
@@ -257,6 +258,7 @@ def tie_foreign_saves(mode: _WatchingMode, untied: Untied) -> None:
         if not nodes:
             return
 
+    @runs_eagerly  # a version check: traced, Dynamo would decide it at trace time
     def check(*_: object) -> None:
         for record in records:
             record.check_version()

@@ -18,7 +18,7 @@ from torch import nn
 from torch.autograd.graph import Node
 from torch.utils.hooks import RemovableHandle
 
-from tensorhooks._core.compile import not_traced
+from tensorhooks._core.compile import not_traced, runs_eagerly
 from tensorhooks._core.errors import ParameterOffloadStateError
 from tensorhooks._core.guards import SavedCopy, is_output_of_saving_node, modified_error
 from tensorhooks._core.late_grads import LANDING_ORDER
@@ -534,6 +534,7 @@ class Streamer:
         """Tensor hook: hold a block of the slot; set its host ``.grad`` aside."""
         param = slot.tensor
 
+        @runs_eagerly  # See NOTE [Contexts under torch.compile]
         def hook(grad: torch.Tensor) -> None:
             data = self.task()
             if not any(b.index in data.held for b in slot.blocks):
@@ -547,6 +548,7 @@ class Streamer:
 
         return hook
 
+    @runs_eagerly  # See NOTE [Contexts under torch.compile]
     def _grad_accumulated(self, slot: Slot, param: torch.Tensor) -> None:
         """Post-accumulate hook: send the gradient to the host, mark it done for its blocks."""
         data = self.task()
@@ -576,6 +578,7 @@ class Streamer:
             slot.park(self.transfer)
         _land(slot, host)
 
+    @runs_eagerly  # See NOTE [Contexts under torch.compile]
     def _finish(self, data: _TaskData) -> None:
         """Successful end of the task: release everything, land the gradients in ``.grad``."""
         with self.lock:
@@ -594,6 +597,7 @@ class Streamer:
         self._restore_stash(data)
         data.finished = True
 
+    @runs_eagerly  # See NOTE [Contexts under torch.compile]
     def _abandon(self, data: _TaskData) -> None:
         """The task died without finishing (backward raised): undo everything it did."""
         if data.finished:

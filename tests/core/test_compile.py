@@ -473,6 +473,45 @@ def test_compiled_model_under_offload_parameters_matches_resident() -> None:
         assert torch.allclose(mine.grad, theirs.grad)
 
 
+def offloaded_step_counts(backward_inside: bool) -> tuple[dict[str, int], list[torch.Tensor]]:
+    """Graphs and breaks of a compiled step of a streamed model; the gradients."""
+    _, offloaded, _ = offloaded_model()
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        loss = offloaded(x).square().mean()
+        if backward_inside:
+            loss.backward()
+        return loss
+
+    dynamo.reset()
+    counters.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss = torch.compile(step, backend="aot_eager")(torch.randn(4, 8))  # seeded
+        if not backward_inside:
+            loss.backward()
+    counts = {
+        "graph_break": sum(counters["graph_break"].values()),
+        "unique_graphs": counters["stats"]["unique_graphs"],
+    }
+    dynamo.reset()
+    return counts, [param.grad.clone() for param in offloaded.parameters()]
+
+
+def test_backward_inside_compiled_function_under_offload_parameters() -> None:
+    """Its gradient hooks and end-of-task callbacks run eagerly: no crash, the same gradients.
+
+    Traced, Dynamo crashed inside them. The backward call breaks the graph once, as it does on
+    a model without offload_parameters; no other graph or break is added.
+    """
+    after, after_grads = offloaded_step_counts(backward_inside=False)
+    inside, inside_grads = offloaded_step_counts(backward_inside=True)
+    assert inside["unique_graphs"] <= after["unique_graphs"], (inside, after)
+    assert inside["graph_break"] <= after["graph_break"] + 1, (inside, after)
+    for mine, theirs in zip(inside_grads, after_grads, strict=True):
+        torch.testing.assert_close(mine, theirs)
+
+
 def test_offload_parameters_fullgraph_error_names_it() -> None:
     """Under fullgraph=True the error names offload_parameters."""
     dynamo.reset()
