@@ -68,7 +68,9 @@ __all__ = ["OutsideState", "Substitution"]
 # are untouched. Where the replacement comes from:
 #   - inside ``allow_mutation_on_saved_tensors`` every watched tensor is tracked by the
 #     context's save guard from the start, which clones it before any write, the region's own
-#     included: the clone is the value the forward pass read (case 1 and 2 alike);
+#     included: the clone is the value the forward pass read (case 1 and 2 alike); a weight
+#     freed and refilled with its version counter put back (FSDP) is read as refilled
+#     (`_guarded_alias`);
 #   - otherwise a tensor that is state (neither a ``Parameter`` nor requiring grad: buffers,
 #     counters) is cloned when the region starts and the clone kept if the forward pass wrote it
 #     (case 2); one the forward pass did not write is only checked.
