@@ -68,7 +68,9 @@ __all__ = ["OutsideState", "Substitution"]
 # are untouched. Where the replacement comes from:
 #   - inside ``allow_mutation_on_saved_tensors`` every watched tensor is tracked by the
 #     context's save guard from the start, which clones it before any write, the region's own
-#     included: the clone is the value the forward pass read (case 1 and 2 alike);
+#     included: the clone is the value the forward pass read (case 1 and 2 alike); a weight
+#     freed and refilled with its version counter put back (FSDP) is read as refilled
+#     (`_guarded_alias`);
 #   - otherwise a tensor that is state (neither a ``Parameter`` nor requiring grad: buffers,
 #     counters) is cloned when the region starts and the clone kept if the forward pass wrote it
 #     (case 2); one the forward pass did not write is only checked.
@@ -117,6 +119,24 @@ class _Watched:
         self.handle: Any = None  # what the save guard's pack returned, inside allow_mutation
         self.start: torch.Tensor | None = None  # its value when the region started (state only)
         self.written = False  # by the region's forward pass
+
+
+def _guarded_alias(tensor: torch.Tensor) -> torch.Tensor:
+    """The alias of a watched tensor held by the save guard of allow_mutation_on_saved_tensors.
+
+    A weight's alias stays a view of the weight, made with no ``grad_fn``: the context then
+    knows it for a weight, keeps it as well as the clone it takes before a write made under
+    ``_unsafe_preserve_version_counter``, and hands back the weight itself when the write put the
+    counter back. FSDP frees a weight's storage after the forward pass and refills it so; a
+    detached alias is no weight to the context, and only the clone would be kept: a copy of the
+    freed memory, read by recomputation. See NOTE [Writes autograd does not count] in
+    ``_mutation/saved_tensor.py``.
+    """
+    base = tensor if tensor._base is None else tensor._base
+    if base.is_leaf and base.requires_grad and tensor.layout == torch.strided:
+        with torch.no_grad():
+            return tensor.view_as(tensor)
+    return tensor.detach()
 
 
 def _is_state(tensor: torch.Tensor) -> bool:
@@ -301,7 +321,7 @@ class OutsideState:
         self._skip.add(id(tensor))
         if self._pair is not None and not hidden:
             with below_python_modes():
-                watched.handle = self._pair[0](tensor.detach())
+                watched.handle = self._pair[0](_guarded_alias(tensor))
         elif at_start and _is_state(tensor):
             with below_python_modes():
                 watched.start = tensor.clone()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from torch.utils.checkpoint import CheckpointError
 
 import tensorhooks
-from tensorhooks import checkpoint
+from tensorhooks import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from tests.checkpoint.common import assert_same, torch_ckpt
 
 Context = Callable[[], contextlib.AbstractContextManager[object]]
@@ -214,3 +215,68 @@ def test_retain_graph_twice_with_written_state() -> None:
     expected = torch.autograd.grad(reference(x).sum(), [x])
     assert_same(first, expected)
     assert_same(second, expected)
+
+
+# A weight read from a closure, its storage freed after the forward pass and refilled before
+# backward with its version counter put back, as FSDP does. Between the two, memory of the same
+# size is filled with NaN and freed, so that the fresh storage most likely holds NaN until the
+# refill: a copy taken of it then is NaN, not whatever the allocator happened to hand back.
+def _refilled_weight_grads(
+    run: Callable[..., torch.Tensor], twice: bool, step: bool
+) -> list[torch.Tensor]:
+    weight, x = _double(0, 4, 4), _double(1, 8)
+    middle = x * 1.0
+
+    def region(h: torch.Tensor) -> torch.Tensor:
+        return (h + h) * weight.sum()
+
+    loss = run(region, middle[1:3]).sum()
+    with torch.no_grad():
+        values = weight.clone()
+        weight.untyped_storage().resize_(0)
+        values.new_full(values.shape, float("nan"))  # allocated, filled and freed at once
+        weight.untyped_storage().resize_(values.numel() * values.element_size())
+        with torch.autograd._unsafe_preserve_version_counter(weight):
+            weight.copy_(values)
+    if step:  # a counted write after the refill: the region still reads the forward's value
+        weight.grad = torch.ones_like(weight)
+        torch.optim.Adam([weight], lr=0.25).step()
+        weight.grad = None
+    if twice:
+        loss.backward(retain_graph=True)
+        gc.collect()
+    loss.backward()
+    assert x.grad is not None
+    return [x.grad]
+
+
+@pytest.mark.parametrize("selective", [False, True], ids=["full", "must_save"])
+@pytest.mark.parametrize("twice", [False, True], ids=["once", "retain_graph"])
+@pytest.mark.parametrize("step", [False, True], ids=["", "step"])
+def test_weight_freed_and_refilled_under_allow_mutation(
+    selective: bool, twice: bool, step: bool
+) -> None:
+    """Recomputation reads the refilled weight, never a copy of the freed storage.
+
+    Inside allow_mutation_on_saved_tensors the region's weight is kept through the context's
+    save guard; a refill that puts the version counter back is no write to autograd, and the
+    weight itself must be read, as plain autograd's saved tensors are. Repeated: a copy of freed
+    memory often holds the old values by chance.
+    """
+    context = (lambda: create_selective_checkpoint_contexts(mm_must_save)) if selective else None
+
+    def region_call(function: Callable[..., torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        kwargs = {} if context is None else {"context_fn": context}
+        return checkpoint(function, h, use_reentrant=False, **kwargs)
+
+    expected = _refilled_weight_grads(lambda f, h: f(h), twice, step)
+    for _ in range(3):
+        with tensorhooks.allow_mutation_on_saved_tensors():
+            got = _refilled_weight_grads(region_call, twice, step)
+        gc.collect()
+        assert_same(got, expected)
+
+
+def mm_must_save(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+    """A selective policy saving every op's output."""
+    return CheckpointPolicy.MUST_SAVE
