@@ -14,8 +14,10 @@ from typing import Any, NoReturn
 
 import torch
 from hypothesis import HealthCheck, assume, given, settings
+from torch.utils.checkpoint import CheckpointError
 
 from tensorhooks._checkpoint import checkpoint as tensorhooks_checkpoint
+from tensorhooks._checkpoint.module import checkpoint_module as tensorhooks_checkpoint_module
 from tensorhooks._core.torch_compat import TorchDispatchMode, op_schema
 from tensorhooks._hooks import saved_tensors_hooks
 
@@ -231,6 +233,24 @@ class _Inline:
         self.reached.append((function, _reached(function)))
         return result
 
+    def module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Leave ``module`` plain, noting what its forward reads, as for a function's region."""
+        function = type(module).forward
+
+        def before(_: torch.nn.Module, args: Any, kwargs: Any) -> None:
+            self.read.extend((tensor, tensor._version) for tensor in tensors_in([args, kwargs]))
+
+        def after(_: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            self.read.extend((tensor, tensor._version) for tensor in tensors_in([args, kwargs]))
+            for cell in getattr(function, "__closure__", None) or ():
+                with contextlib.suppress(ValueError):  # an empty cell
+                    self.read.extend((t, t._version) for t in tensors_in([cell.cell_contents]))
+            self.reached.append((function, _reached(function)))
+
+        module.register_forward_pre_hook(before, with_kwargs=True, prepend=True)
+        module.register_forward_hook(after, with_kwargs=True, prepend=True)
+        return module
+
     @property
     def explains_inplace_error(self) -> bool:
         """Whether a region read a tensor changed later, or wrote in place under a policy."""
@@ -307,15 +327,37 @@ def tensors_in(value: Any) -> Iterator[torch.Tensor]:
             yield from tensors_in(item)
 
 
-def _program_runner(program: Program, checkpoint: Callable[[], Any] | None) -> Runner:
-    """Runs ``program`` under a context, its regions run by ``checkpoint()`` (None: as written)."""
+def _program_runner(
+    program: Program,
+    checkpoint: Callable[[], Any] | None,
+    checkpoint_module: Callable[[torch.nn.Module], Any] | None = None,
+) -> Runner:
+    """Runs ``program`` under a context, its regions run by ``checkpoint()`` (None: as written).
+
+    Its module regions are given to ``checkpoint_module``; with neither, to the ``module``
+    method of what ``checkpoint()`` returned, if it has one; otherwise they run as written.
+    """
 
     def run(context: ContextFactory | None) -> Outcome:
         leaves = program.make_leaves()
         regions = checkpoint() if checkpoint is not None else None
-        return outcome(lambda: program.run(leaves, checkpoint=regions), context)
+        modules = checkpoint_module or getattr(regions, "module", None)
+        return outcome(
+            lambda: program.run(leaves, checkpoint=regions, checkpoint_module=modules), context
+        )
 
     return run
+
+
+def _refused_hooks(error: BaseException | None) -> bool:
+    """Whether ``error`` is checkpoint_module refusing a pre-hook that changes arguments again.
+
+    A pre-hook that runs before the region and changes its arguments would change them twice in
+    recomputation; tensorhooks raises rather than give the gradient of that.
+    """
+    return isinstance(error, CheckpointError) and "changed the arguments in recomputation" in str(
+        error
+    )
 
 
 def _program_verdict(
@@ -387,6 +429,8 @@ def check_program(
     runs = "with and without the context"
     verdict = _program_verdict(program, as_written, runs, rtol=rtol, atol=atol, precision=precision)
     plain = as_written(None)
+    if _refused_hooks(plain.error):
+        return False  # checkpoint_module refuses the program's hooks: nothing to compare
     if plain.error is not None and not plain.inplace_error and verdict.save_time(None).error:
         # Plain autograd refuses this program for a reason of its own; so does the save-time
         # reference, so there is nothing to compare.
@@ -399,6 +443,7 @@ def check_checkpoint(
     program: Program,
     checkpoint: Callable[..., Any] | None = None,
     *,
+    checkpoint_module: Callable[[torch.nn.Module], Any] | None = None,
     context_factory: ContextFactory | None = None,
     rtol: float = 0.0,
     atol: float = 0.0,
@@ -413,8 +458,11 @@ def check_checkpoint(
     recomputation, autograd's in-place error is also accepted where plain autograd succeeds if
     one of those was written after the region read it (tensorhooks raises then, unless the
     context keeps the value), or if a region under a selective policy writes in place (a
-    policy refuses a saved output written later). Gradients are compared as `check_program`
-    compares them.
+    policy refuses a saved output written later). A program's module regions (region kind
+    "module") are given to ``checkpoint_module`` and compared with the plain module; its
+    ``CheckpointError`` refusing a pre-hook that would change the arguments twice in
+    recomputation is accepted (an error, not a wrong gradient). Gradients are compared as
+    `check_program` compares them.
 
     Example:
         >>> import torch
@@ -430,6 +478,9 @@ def check_checkpoint(
         program: drawn from ``programs(checkpoint=...)``.
         checkpoint: called as ``checkpoint(function, *args, use_reentrant=False, ...)`` for each
             region; default ``tensorhooks.checkpoint``.
+        checkpoint_module: called as ``checkpoint_module(module)`` for each module region;
+            default ``tensorhooks.checkpointing.checkpoint_module`` (torch's composable
+            ``torch.distributed._composable.checkpoint`` takes the same call).
         context_factory: returns a context manager that the checkpointed run (forward and
             backward) runs inside; None: none. The reference runs without it.
         rtol: relative tolerance added to the measured rounding tolerance.
@@ -445,6 +496,7 @@ def check_checkpoint(
             raised where neither plain autograd nor a changed input explains it.
     """
     regions = checkpoint if checkpoint is not None else tensorhooks_checkpoint
+    modules = checkpoint_module or tensorhooks_checkpoint_module
     inline = _program_runner(program, _Inline)
     runs = "as written, and with each region's function called directly"
     verdict = _program_verdict(
@@ -457,10 +509,15 @@ def check_checkpoint(
         subject="the checkpointed run",
     )
     read = _Inline()
-    plain = outcome(lambda: program.run(program.make_leaves(), checkpoint=read), None)
+    plain = outcome(
+        lambda: program.run(program.make_leaves(), checkpoint=read, checkpoint_module=read.module),
+        None,
+    )
     if plain.error is not None and not plain.inplace_error and verdict.save_time(None).error:
         return False
-    got = _program_runner(program, lambda: regions)(context_factory)
+    got = _program_runner(program, lambda: regions, modules)(context_factory)
+    if _refused_hooks(got.error):
+        return True  # an error, not a wrong gradient
     verdict.judge(plain, got, inplace_allowed=read.explains_inplace_error)
     return True
 

@@ -104,7 +104,11 @@ class Program:
         return leaves
 
     def run(
-        self, leaves: list[torch.Tensor], *, checkpoint: Callable[..., Any] | None = None
+        self,
+        leaves: list[torch.Tensor],
+        *,
+        checkpoint: Callable[..., Any] | None = None,
+        checkpoint_module: Callable[[torch.nn.Module], Any] | None = None,
     ) -> list[torch.Tensor | None]:
         """Run forward and backward on ``leaves``; return the gradients.
 
@@ -113,10 +117,16 @@ class Program:
             checkpoint: runs the program's checkpoint regions in place of the
                 ``tensorhooks.checkpoint`` its source imports (called as
                 ``checkpoint(function, *args, use_reentrant=False, ...)``); None: that one.
+            checkpoint_module: applied to the program's module regions in place of the
+                ``tensorhooks.checkpointing.checkpoint_module`` its source imports (called as
+                ``checkpoint_module(module)`` before or after hooks are registered on it);
+                None: that one.
         """
         namespace = self._namespace()
         if checkpoint is not None:
             namespace["checkpoint"] = checkpoint
+        if checkpoint_module is not None:
+            namespace["checkpoint_module"] = checkpoint_module
         grads: list[torch.Tensor | None] = namespace["program"](leaves)
         return grads
 
@@ -145,6 +155,8 @@ class _Builder:
         self.uses_policy = False  # whether a region takes the selective policy
         self.n_leaves = n_leaves
         self.rebinds: list[tuple[str, int]] = []  # how to bind a new tensor where regions read
+        self.modules = 0  # how many regions are modules
+        self.global_hooks = False  # whether a module region registered a global hook
 
     def add_value(self, expr: str, dummy: torch.Tensor, requires_grad: bool) -> None:
         """Append ``v<n> = expr`` and its term of the loss."""
@@ -266,8 +278,11 @@ def programs(
             value through a list, tuple, dict, plain object, global, module or ModuleDict, and
             the program binds a new tensor there, swaps its data or steps an optimizer of each
             implementation before backward), "state" (it writes state in place, a buffer or a
-            counter, and reads it back); an empty collection draws regions of plain ops on
-            their arguments only.
+            counter, and reads it back), "module" (half the regions are a module's forward,
+            checkpointed by ``tensorhooks.checkpointing.checkpoint_module``, with forward hooks
+            and pre-hooks that change its arguments, keyword arguments or output, or not,
+            registered before or after it, with ``prepend=True``, or globally); an empty
+            collection draws regions of plain ops on their arguments only.
         backwards: which backward variants programs run, among "backward",
             "inputs" (``backward(inputs=...)``), "grad" (``torch.autograd.grad``), "twice"
             (``backward(retain_graph=True)`` then ``backward()``) and "double" (a double
@@ -337,6 +352,15 @@ def _programs(
         *_backward(builder, n_leaves, backwards),
         f"return {returned}",
     ]
+    if builder.global_hooks:  # global module hooks are removed however the program ends
+        body = [
+            "handles = []",
+            "try:",
+            *(f"    {line}" for line in body),
+            "finally:",
+            "    for handle in handles:",
+            "        handle.remove()",
+        ]
     return Program(_source(builder, n_leaves, seed, body, draw), n_leaves)
 
 
@@ -344,8 +368,10 @@ def _source(builder: _Builder, n_leaves: int, seed: int, body: list[str], draw: 
     imports = ["import torch"]
     if "reached" in builder.kinds:
         imports.append("import types")
-    if builder.regions:
+    if builder.regions > builder.modules:
         imports.append("from tensorhooks import checkpoint")
+    if builder.modules:
+        imports.append("from tensorhooks.checkpointing import checkpoint_module")
     policy: list[str] = []
     if builder.uses_policy:
         imports.append(
