@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, NoReturn
@@ -32,6 +33,7 @@ __all__ = [
     "assert_context_preserves_gradients",
     "assert_hooks_preserve_gradients",
     "check_checkpoint",
+    "check_compiled",
     "check_program",
     "copying_hooks",
     "outcome",
@@ -519,6 +521,77 @@ def check_checkpoint(
     if _refused_hooks(got.error):
         return True  # an error, not a wrong gradient
     verdict.judge(plain, got, inplace_allowed=read.explains_inplace_error)
+    return True
+
+
+def check_compiled(
+    program: Program, *, rtol: float = 0.0, atol: float = 0.0, precision: torch.dtype | None = None
+) -> bool:
+    """Run a compiled program as written and eagerly without its context; compare.
+
+    The program, drawn by ``programs(compile=True)``, runs its steps in a function compiled
+    with ``torch.compile(backend="aot_eager")`` and enters a tensorhooks context inside it. The
+    reference runs the same function eagerly, with no context: plain autograd. The compiled
+    run must give plain autograd's gradients; where plain autograd raises its in-place error
+    (a saved tensor was written before backward), raise it too or give the save-time gradient.
+    Gradients are compared as `check_program` compares them.
+
+    Example:
+        >>> from hypothesis import assume, given, settings
+        >>> from tensorhooks.testing import check_compiled, programs
+        >>> @settings(max_examples=2, database=None, deadline=None)
+        ... @given(programs(compile=True))
+        ... def test_compiled(program):
+        ...     assume(check_compiled(program))
+        >>> test_compiled()
+
+    Args:
+        program: drawn from ``programs(compile=True)``.
+        rtol: relative tolerance added to the measured rounding tolerance.
+        atol: absolute tolerance added to it.
+        precision: as for `check_program`.
+
+    Returns:
+        False when plain autograd rejects the program in a way unrelated to saved tensors;
+        True when the program was checked.
+
+    Raises:
+        GradientMismatchError: when the compiled run gave another gradient, or raised where
+            plain autograd does not.
+    """
+
+    def runner(plain: bool) -> Runner:
+        def run(context: ContextFactory | None) -> Outcome:
+            leaves = program.make_leaves()
+            return outcome(lambda: program.run(leaves, plain=plain), context)
+
+        return run
+
+    reference = runner(plain=True)
+    verdict = Verdict(
+        reference,
+        lambda context: reference(within(copying_hooks, context)),
+        "The program, as Python (run program(make_leaves()) as written, and with compiler "
+        f"and context doing nothing):\n\n{program.source}",
+        lambda index: f"result {index}",
+        rtol=rtol,
+        atol=atol,
+        precision=precision,
+        subject="the compiled run",
+    )
+    plain = reference(None)
+    if plain.error is not None and not plain.inplace_error and verdict.save_time(None).error:
+        return False
+    import torch._dynamo  # noqa: PLC0415 (only compiled programs need the compiler stack)
+
+    torch._dynamo.reset()  # each program compiles afresh, within Dynamo's recompile limit
+    with warnings.catch_warnings():
+        # allow_mutation_on_saved_tensors says, once, that Dynamo compiles nothing inside it.
+        warnings.filterwarnings("ignore", message="torch.compile compiles nothing inside")
+        # Dynamo's own deprecation warnings (tracing a custom Function), not the program's.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        got = runner(plain=False)(None)
+    verdict.judge(plain, got)
     return True
 
 

@@ -6,6 +6,7 @@ check fails is exactly the code that ran. See NOTE [Random autograd programs].
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
+from .compiled import compiled_source
 from .drawing import SHAPE, Scope, alias, compute, pick, write
 from .errors import CheckArgumentValueError
 from .reached import change
@@ -109,6 +111,7 @@ class Program:
         *,
         checkpoint: Callable[..., Any] | None = None,
         checkpoint_module: Callable[[torch.nn.Module], Any] | None = None,
+        plain: bool = False,
     ) -> list[torch.Tensor | None]:
         """Run forward and backward on ``leaves``; return the gradients.
 
@@ -121,8 +124,13 @@ class Program:
                 ``tensorhooks.checkpointing.checkpoint_module`` its source imports (called as
                 ``checkpoint_module(module)`` before or after hooks are registered on it);
                 None: that one.
+            plain: for a program drawn with ``compile=True``: run its function eagerly and
+                enter no context in it (plain autograd, the reference).
         """
         namespace = self._namespace()
+        if plain:
+            namespace["compiler"] = lambda function: function
+            namespace["context"] = contextlib.nullcontext
         if checkpoint is not None:
             namespace["checkpoint"] = checkpoint
         if checkpoint_module is not None:
@@ -252,6 +260,7 @@ def programs(
     writes: bool = True,
     checkpoint: bool | Collection[str] = False,
     backwards: Collection[str] = BACKWARDS,
+    compile: bool = False,
 ) -> st.SearchStrategy[Program]:
     """Random autograd programs of 1 to ``max_steps`` steps, as a hypothesis strategy.
 
@@ -288,6 +297,13 @@ def programs(
             (``backward(retain_graph=True)`` then ``backward()``) and "double" (a double
             backward). A pack/unpack pair that frees what it stored on unpack can only run
             one backward over a graph: pass ``["backward", "inputs", "grad"]``.
+        compile: draw compiled programs instead: their steps run inside a function compiled
+            with ``torch.compile(backend="aot_eager")``, with a tensorhooks context entered
+            inside it (identity or copying hooks, ``save_on_cpu``,
+            ``allow_mutation_on_saved_tensors``), an optional in-place write of a value
+            computed there, and backward inside the context, after it, or outside the compiled
+            function (``checkpoint``, ``writes`` and ``backwards`` do not apply; check them
+            with `check_compiled`). Each such program compiles, which costs seconds: draw few.
 
     Returns:
         A strategy of `Program`.
@@ -297,6 +313,8 @@ def programs(
             that does not exist, or ``backwards`` is empty.
     """
     kinds = _region_kinds(checkpoint)
+    if compile:
+        return _compiled_programs()
     variants = tuple(backwards)
     unknown = sorted(set(variants) - set(BACKWARDS))
     if unknown or not variants:
@@ -319,6 +337,13 @@ def _region_kinds(checkpoint: bool | Collection[str]) -> frozenset[str] | None:
             f"of {list(REGION_KINDS)}"
         )
     return kinds
+
+
+@st.composite
+def _compiled_programs(draw: st.DrawFn) -> Program:
+    n_leaves = draw(st.integers(1, 2))
+    seed = draw(st.integers(0, 2**16))
+    return Program(compiled_source(draw, n_leaves, seed), n_leaves)
 
 
 @st.composite
