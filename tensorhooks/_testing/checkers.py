@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from torch.utils.checkpoint import CheckpointError
 
 from tensorhooks._checkpoint import checkpoint as tensorhooks_checkpoint
-from tensorhooks._checkpoint.module import checkpoint_module as tensorhooks_checkpoint_module
+from tensorhooks._checkpoint import checkpoint_module as tensorhooks_checkpoint_module
 from tensorhooks._core.torch_compat import TorchDispatchMode, op_schema
 from tensorhooks._hooks import saved_tensors_hooks
 
