@@ -30,6 +30,7 @@ from ._testing.checkers import (
     assert_context_preserves_gradients,
     assert_hooks_preserve_gradients,
     check_checkpoint,
+    check_compiled,
     check_program,
 )
 from ._testing.errors import CheckArgumentValueError, GradientMismatchError
@@ -45,6 +46,7 @@ __all__ = [
     "assert_context_preserves_gradients",
     "assert_hooks_preserve_gradients",
     "check_checkpoint",
+    "check_compiled",
     "check_module",
     "check_program",
     "programs",

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import contextlib
 import types
+import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, NoReturn
 
 import torch
 from hypothesis import HealthCheck, assume, given, settings
+from torch.utils.checkpoint import CheckpointError
 
 from tensorhooks._checkpoint import checkpoint as tensorhooks_checkpoint
+from tensorhooks._checkpoint import checkpoint_module as tensorhooks_checkpoint_module
 from tensorhooks._core.torch_compat import TorchDispatchMode, op_schema
 from tensorhooks._hooks import saved_tensors_hooks
 
@@ -30,6 +33,7 @@ __all__ = [
     "assert_context_preserves_gradients",
     "assert_hooks_preserve_gradients",
     "check_checkpoint",
+    "check_compiled",
     "check_program",
     "copying_hooks",
     "outcome",
@@ -231,6 +235,24 @@ class _Inline:
         self.reached.append((function, _reached(function)))
         return result
 
+    def module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Leave ``module`` plain, noting what its forward reads, as for a function's region."""
+        function = type(module).forward
+
+        def before(_: torch.nn.Module, args: Any, kwargs: Any) -> None:
+            self.read.extend((tensor, tensor._version) for tensor in tensors_in([args, kwargs]))
+
+        def after(_: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            self.read.extend((tensor, tensor._version) for tensor in tensors_in([args, kwargs]))
+            for cell in getattr(function, "__closure__", None) or ():
+                with contextlib.suppress(ValueError):  # an empty cell
+                    self.read.extend((t, t._version) for t in tensors_in([cell.cell_contents]))
+            self.reached.append((function, _reached(function)))
+
+        module.register_forward_pre_hook(before, with_kwargs=True, prepend=True)
+        module.register_forward_hook(after, with_kwargs=True, prepend=True)
+        return module
+
     @property
     def explains_inplace_error(self) -> bool:
         """Whether a region read a tensor changed later, or wrote in place under a policy."""
@@ -316,15 +338,37 @@ def tensors_in(value: Any) -> Iterator[torch.Tensor]:
             yield from tensors_in(item)
 
 
-def _program_runner(program: Program, checkpoint: Callable[[], Any] | None) -> Runner:
-    """Runs ``program`` under a context, its regions run by ``checkpoint()`` (None: as written)."""
+def _program_runner(
+    program: Program,
+    checkpoint: Callable[[], Any] | None,
+    checkpoint_module: Callable[[torch.nn.Module], Any] | None = None,
+) -> Runner:
+    """Runs ``program`` under a context, its regions run by ``checkpoint()`` (None: as written).
+
+    Its module regions are given to ``checkpoint_module``; with neither, to the ``module``
+    method of what ``checkpoint()`` returned, if it has one; otherwise they run as written.
+    """
 
     def run(context: ContextFactory | None) -> Outcome:
         leaves = program.make_leaves()
         regions = checkpoint() if checkpoint is not None else None
-        return outcome(lambda: program.run(leaves, checkpoint=regions), context)
+        modules = checkpoint_module or getattr(regions, "module", None)
+        return outcome(
+            lambda: program.run(leaves, checkpoint=regions, checkpoint_module=modules), context
+        )
 
     return run
+
+
+def _refused_hooks(error: BaseException | None) -> bool:
+    """Whether ``error`` is checkpoint_module refusing a pre-hook that changes arguments again.
+
+    A pre-hook that runs before the region and changes its arguments would change them twice in
+    recomputation; tensorhooks raises rather than give the gradient of that.
+    """
+    return isinstance(error, CheckpointError) and "changed the arguments in recomputation" in str(
+        error
+    )
 
 
 def _program_verdict(
@@ -396,6 +440,8 @@ def check_program(
     runs = "with and without the context"
     verdict = _program_verdict(program, as_written, runs, rtol=rtol, atol=atol, precision=precision)
     plain = as_written(None)
+    if _refused_hooks(plain.error):
+        return False  # checkpoint_module refuses the program's hooks: nothing to compare
     if plain.error is not None and not plain.inplace_error and verdict.save_time(None).error:
         # Plain autograd refuses this program for a reason of its own; so does the save-time
         # reference, so there is nothing to compare.
@@ -408,6 +454,7 @@ def check_checkpoint(
     program: Program,
     checkpoint: Callable[..., Any] | None = None,
     *,
+    checkpoint_module: Callable[[torch.nn.Module], Any] | None = None,
     context_factory: ContextFactory | None = None,
     rtol: float = 0.0,
     atol: float = 0.0,
@@ -422,8 +469,11 @@ def check_checkpoint(
     recomputation, autograd's in-place error is also accepted where plain autograd succeeds if
     one of those was written after the region read it (tensorhooks raises then, unless the
     context keeps the value), or if a region under a selective policy writes in place (a
-    policy refuses a saved output written later). Gradients are compared as `check_program`
-    compares them.
+    policy refuses a saved output written later). A program's module regions (region kind
+    "module") are given to ``checkpoint_module`` and compared with the plain module; its
+    ``CheckpointError`` refusing a pre-hook that would change the arguments twice in
+    recomputation is accepted (an error, not a wrong gradient). Gradients are compared as
+    `check_program` compares them.
 
     Example:
         >>> import torch
@@ -439,6 +489,9 @@ def check_checkpoint(
         program: drawn from ``programs(checkpoint=...)``.
         checkpoint: called as ``checkpoint(function, *args, use_reentrant=False, ...)`` for each
             region; default ``tensorhooks.checkpoint``.
+        checkpoint_module: called as ``checkpoint_module(module)`` for each module region;
+            default ``tensorhooks.checkpointing.checkpoint_module`` (torch's composable
+            ``torch.distributed._composable.checkpoint`` takes the same call).
         context_factory: returns a context manager that the checkpointed run (forward and
             backward) runs inside; None: none. The reference runs without it.
         rtol: relative tolerance added to the measured rounding tolerance.
@@ -454,6 +507,7 @@ def check_checkpoint(
             raised where neither plain autograd nor a changed input explains it.
     """
     regions = checkpoint if checkpoint is not None else tensorhooks_checkpoint
+    modules = checkpoint_module or tensorhooks_checkpoint_module
     inline = _program_runner(program, _Inline)
     runs = "as written, and with each region's function called directly"
     verdict = _program_verdict(
@@ -466,11 +520,87 @@ def check_checkpoint(
         subject="the checkpointed run",
     )
     read = _Inline()
-    plain = outcome(lambda: program.run(program.make_leaves(), checkpoint=read), None)
+    plain = outcome(
+        lambda: program.run(program.make_leaves(), checkpoint=read, checkpoint_module=read.module),
+        None,
+    )
     if plain.error is not None and not plain.inplace_error and verdict.save_time(None).error:
         return False
-    got = _program_runner(program, lambda: regions)(context_factory)
+    got = _program_runner(program, lambda: regions, modules)(context_factory)
+    if _refused_hooks(got.error):
+        return True  # an error, not a wrong gradient
     verdict.judge(plain, got, inplace_allowed=read.explains_inplace_error)
+    return True
+
+
+def check_compiled(
+    program: Program, *, rtol: float = 0.0, atol: float = 0.0, precision: torch.dtype | None = None
+) -> bool:
+    """Run a compiled program as written and eagerly without its context; compare.
+
+    The program, drawn by ``programs(compile=True)``, runs its steps in a function compiled
+    with ``torch.compile(backend="aot_eager")`` and enters a tensorhooks context inside it. The
+    reference runs the same function eagerly, with no context: plain autograd. The compiled
+    run must give plain autograd's gradients; where plain autograd raises its in-place error
+    (a saved tensor was written before backward), raise it too or give the save-time gradient.
+    Gradients are compared as `check_program` compares them.
+
+    Example:
+        >>> from hypothesis import assume, given, settings
+        >>> from tensorhooks.testing import check_compiled, programs
+        >>> @settings(max_examples=2, database=None, deadline=None)
+        ... @given(programs(compile=True))
+        ... def test_compiled(program):
+        ...     assume(check_compiled(program))
+        >>> test_compiled()
+
+    Args:
+        program: drawn from ``programs(compile=True)``.
+        rtol: relative tolerance added to the measured rounding tolerance.
+        atol: absolute tolerance added to it.
+        precision: as for `check_program`.
+
+    Returns:
+        False when plain autograd rejects the program in a way unrelated to saved tensors;
+        True when the program was checked.
+
+    Raises:
+        GradientMismatchError: when the compiled run gave another gradient, or raised where
+            plain autograd does not.
+    """
+
+    def runner(plain: bool) -> Runner:
+        def run(context: ContextFactory | None) -> Outcome:
+            leaves = program.make_leaves()
+            return outcome(lambda: program.run(leaves, plain=plain), context)
+
+        return run
+
+    reference = runner(plain=True)
+    verdict = Verdict(
+        reference,
+        lambda context: reference(within(copying_hooks, context)),
+        "The program, as Python (run program(make_leaves()) as written, and with compiler "
+        f"and context doing nothing):\n\n{program.source}",
+        lambda index: f"result {index}",
+        rtol=rtol,
+        atol=atol,
+        precision=precision,
+        subject="the compiled run",
+    )
+    plain = reference(None)
+    if plain.error is not None and not plain.inplace_error and verdict.save_time(None).error:
+        return False
+    import torch._dynamo  # noqa: PLC0415 (only compiled programs need the compiler stack)
+
+    torch._dynamo.reset()  # each program compiles afresh, within Dynamo's recompile limit
+    with warnings.catch_warnings():
+        # allow_mutation_on_saved_tensors says, once, that Dynamo compiles nothing inside it.
+        warnings.filterwarnings("ignore", message="torch.compile compiles nothing inside")
+        # Dynamo's own deprecation warnings (tracing a custom Function), not the program's.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        got = runner(plain=False)(None)
+    verdict.judge(plain, got)
     return True
 
 

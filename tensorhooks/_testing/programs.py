@@ -6,6 +6,7 @@ check fails is exactly the code that ran. See NOTE [Random autograd programs].
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
+from .compiled import compiled_source
 from .drawing import SHAPE, Scope, alias, compute, pick, write
 from .errors import CheckArgumentValueError
 from .reached import change
@@ -104,7 +106,12 @@ class Program:
         return leaves
 
     def run(
-        self, leaves: list[torch.Tensor], *, checkpoint: Callable[..., Any] | None = None
+        self,
+        leaves: list[torch.Tensor],
+        *,
+        checkpoint: Callable[..., Any] | None = None,
+        checkpoint_module: Callable[[torch.nn.Module], Any] | None = None,
+        plain: bool = False,
     ) -> list[torch.Tensor | None]:
         """Run forward and backward on ``leaves``; return the gradients.
 
@@ -113,10 +120,21 @@ class Program:
             checkpoint: runs the program's checkpoint regions in place of the
                 ``tensorhooks.checkpoint`` its source imports (called as
                 ``checkpoint(function, *args, use_reentrant=False, ...)``); None: that one.
+            checkpoint_module: applied to the program's module regions in place of the
+                ``tensorhooks.checkpointing.checkpoint_module`` its source imports (called as
+                ``checkpoint_module(module)`` before or after hooks are registered on it);
+                None: that one.
+            plain: for a program drawn with ``compile=True``: run its function eagerly and
+                enter no context in it (plain autograd, the reference).
         """
         namespace = self._namespace()
+        if plain:
+            namespace["compiler"] = lambda function: function
+            namespace["context"] = contextlib.nullcontext
         if checkpoint is not None:
             namespace["checkpoint"] = checkpoint
+        if checkpoint_module is not None:
+            namespace["checkpoint_module"] = checkpoint_module
         grads: list[torch.Tensor | None] = namespace["program"](leaves)
         return grads
 
@@ -145,6 +163,8 @@ class _Builder:
         self.uses_policy = False  # whether a region takes the selective policy
         self.n_leaves = n_leaves
         self.rebinds: list[tuple[str, int]] = []  # how to bind a new tensor where regions read
+        self.modules = 0  # how many regions are modules
+        self.global_hooks = False  # whether a module region registered a global hook
 
     def add_value(self, expr: str, dummy: torch.Tensor, requires_grad: bool) -> None:
         """Append ``v<n> = expr`` and its term of the loss."""
@@ -244,6 +264,7 @@ def programs(
     writes: bool = True,
     checkpoint: bool | Collection[str] = False,
     backwards: Collection[str] = BACKWARDS,
+    compile: bool = False,
 ) -> st.SearchStrategy[Program]:
     """Random autograd programs of 1 to ``max_steps`` steps, as a hypothesis strategy.
 
@@ -270,13 +291,23 @@ def programs(
             value through a list, tuple, dict, plain object, global, module or ModuleDict, and
             the program binds a new tensor there, swaps its data or steps an optimizer of each
             implementation before backward), "state" (it writes state in place, a buffer or a
-            counter, and reads it back); an empty collection draws regions of plain ops on
-            their arguments only.
+            counter, and reads it back), "module" (half the regions are a module's forward,
+            checkpointed by ``tensorhooks.checkpointing.checkpoint_module``, with forward hooks
+            and pre-hooks that change its arguments, keyword arguments or output, or not,
+            registered before or after it, with ``prepend=True``, or globally); an empty
+            collection draws regions of plain ops on their arguments only.
         backwards: which backward variants programs run, among "backward",
             "inputs" (``backward(inputs=...)``), "grad" (``torch.autograd.grad``), "twice"
             (``backward(retain_graph=True)`` then ``backward()``) and "double" (a double
             backward). A pack/unpack pair that frees what it stored on unpack can only run
             one backward over a graph: pass ``["backward", "inputs", "grad"]``.
+        compile: draw compiled programs instead: their steps run inside a function compiled
+            with ``torch.compile(backend="aot_eager")``, with a tensorhooks context entered
+            inside it (identity or copying hooks, ``save_on_cpu``,
+            ``allow_mutation_on_saved_tensors``), an optional in-place write of a value
+            computed there, and backward inside the context, after it, or outside the compiled
+            function (``checkpoint``, ``writes`` and ``backwards`` do not apply; check them
+            with `check_compiled`). Each such program compiles, which costs seconds: draw few.
 
     Returns:
         A strategy of `Program`.
@@ -286,6 +317,8 @@ def programs(
             that does not exist, or ``backwards`` is empty.
     """
     kinds = _region_kinds(checkpoint)
+    if compile:
+        return _compiled_programs()
     variants = tuple(backwards)
     unknown = sorted(set(variants) - set(BACKWARDS))
     if unknown or not variants:
@@ -308,6 +341,13 @@ def _region_kinds(checkpoint: bool | Collection[str]) -> frozenset[str] | None:
             f"of {list(REGION_KINDS)}"
         )
     return kinds
+
+
+@st.composite
+def _compiled_programs(draw: st.DrawFn) -> Program:
+    n_leaves = draw(st.integers(1, 2))
+    seed = draw(st.integers(0, 2**16))
+    return Program(compiled_source(draw, n_leaves, seed), n_leaves)
 
 
 @st.composite
@@ -341,6 +381,15 @@ def _programs(
         *_backward(builder, n_leaves, backwards),
         f"return {returned}",
     ]
+    if builder.global_hooks:  # global module hooks are removed however the program ends
+        body = [
+            "handles = []",
+            "try:",
+            *(f"    {line}" for line in body),
+            "finally:",
+            "    for handle in handles:",
+            "        handle.remove()",
+        ]
     return Program(_source(builder, n_leaves, seed, body, draw), n_leaves)
 
 
@@ -348,8 +397,10 @@ def _source(builder: _Builder, n_leaves: int, seed: int, body: list[str], draw: 
     imports = ["import torch"]
     if "reached" in builder.kinds:
         imports.append("import types")
-    if builder.regions:
+    if builder.regions > builder.modules:
         imports.append("from tensorhooks import checkpoint")
+    if builder.modules:
+        imports.append("from tensorhooks.checkpointing import checkpoint_module")
     policy: list[str] = []
     if builder.uses_policy:
         imports.append(

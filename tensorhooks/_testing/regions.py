@@ -11,6 +11,7 @@ import torch
 from hypothesis import strategies as st
 
 from .drawing import Scope, alias, binary, compute, pick, write
+from .hooked import module_region
 from .reached import reach
 
 __all__ = ["POLICY_CHOICES", "REGION_KINDS", "Region", "draw_region", "policy_source"]
@@ -41,10 +42,13 @@ __all__ = ["POLICY_CHOICES", "REGION_KINDS", "Region", "draw_region", "policy_so
 #     plain object, a global, a module, a ModuleDict), and the program changes what regions
 #     read between their forward pass and backward: a new tensor bound in the holder or the
 #     closure, swapped data, optimizer steps of each implementation. See NOTE [Reached,
-#     replaced, stepped] in reached.py.
+#     replaced, stepped] in reached.py;
+#   - "module": the region is a module's forward, checkpointed by ``checkpoint_module`` with
+#     forward hooks and pre-hooks registered around it. See NOTE [Checkpointed modules and their
+#     hooks] in hooked.py.
 # Writes inside a region ("inplace", "state") are drawn only for programs drawn with writes.
 
-REGION_KINDS = ("aliasing", "inplace", "outside", "policy", "reached", "state")
+REGION_KINDS = ("aliasing", "inplace", "module", "outside", "policy", "reached", "state")
 POLICY_CHOICES = (
     "MUST_SAVE",
     "PREFER_SAVE",
@@ -70,6 +74,8 @@ class Region(Protocol):
     uses_policy: bool
     n_leaves: int
     rebinds: list[tuple[str, int]]
+    modules: int
+    global_hooks: bool
 
     def add_value(self, expr: str, dummy: torch.Tensor, requires_grad: bool) -> None:
         """Append ``v<n> = expr`` and its term of the loss."""
@@ -93,13 +99,21 @@ def draw_region(program: Region) -> None:
     if body.result is None:
         body.compute()
     assert body.result is not None  # compute() always sets it
+    parameters = local.names[: len(arguments)]
+    body_lines = [*body.lines, f"return {local.names[body.result]}"]
+    if "module" in program.kinds and draw(st.booleans()):
+        lines, call, global_hooks = module_region(draw, name, parameters, arguments, body_lines)
+        program.lines.extend(lines)
+        program.modules += 1
+        program.global_hooks |= global_hooks
+        program.add_value(call, local.dummies[body.result], local.requires_grad[body.result])
+        return
     policy = ""
     if "policy" in program.kinds and draw(st.booleans()):
         program.uses_policy = True
         policy = ", context_fn=contexts"
-    program.lines.append(f"def {name}({', '.join(local.names[: len(arguments)])}):")
-    program.lines.extend(f"    {line}" for line in body.lines)
-    program.lines.append(f"    return {local.names[body.result]}")
+    program.lines.append(f"def {name}({', '.join(parameters)}):")
+    program.lines.extend(f"    {line}" for line in body_lines)
     call = f"checkpoint({name}, {', '.join(arguments)}, use_reentrant=False{policy})"
     program.add_value(call, local.dummies[body.result], local.requires_grad[body.result])
 

@@ -166,6 +166,9 @@ def _reads_outside(program: Program) -> bool:
 SIGNS: dict[str, Callable[[Program], bool]] = {
     "aliasing": _aliasing,
     "inplace": lambda program: _writes_in(program, _parameters_and_locals),
+    "module": lambda program: (
+        re.search(r"checkpoint_module\(module\d\)", program.source) is not None
+    ),
     "outside": _reads_outside,
     "policy": lambda program: "context_fn=contexts" in program.source,
     "reached": lambda program: re.search(r"def region(?s:.)*box\d", program.source) is not None,
