@@ -301,7 +301,7 @@ class OutsideState:
         self._skip.add(id(tensor))
         if self._pair is not None and not hidden:
             with below_python_modes():
-                watched.handle = self._pair[0](tensor.detach())
+                watched.handle = self._pair[0](_tracked_form(tensor))
         elif at_start and _is_state(tensor):
             with below_python_modes():
                 watched.start = tensor.clone()
@@ -469,6 +469,22 @@ class OutsideState:
 
 def _identity(value: Any) -> Any:
     return value
+
+
+def _tracked_form(tensor: torch.Tensor) -> torch.Tensor:
+    """What the save guard tracks for a watched tensor: a weight itself, anything else detached.
+
+    A weight (a leaf that requires grad, or a view of one) is handed over as it is: the context
+    keeps the tensor before a write only for weights, and decides at the first read whether the
+    write was one its author tells autograd changes nothing (FSDP2 refilling the unsharded
+    parameters it freed after forward; NOTE [Writes autograd does not count] in
+    `_mutation/saved_tensor.py`). A detached alias hides that it is a weight, so its clone, taken
+    of the freed memory, would be final. Holding the weight costs nothing: it lives with the
+    model, and its graph is at most a view of a leaf. Anything else is detached, so that its
+    graph is not kept alive.
+    """
+    base = tensor if tensor._base is None else tensor._base
+    return tensor if base.is_leaf and base.requires_grad else tensor.detach()
 
 
 def _slot(name: str | _InModule) -> object:

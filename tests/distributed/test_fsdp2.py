@@ -23,7 +23,7 @@ from .fsdp2_ranks import CHECKPOINTS, CONTEXTS, PLAN_BUDGETS, SHARDINGS
 from .test_distributed import world_of_one  # noqa: F401  # a fixture: found by name
 from .torchrun import ROOT, cpu_mesh, full_grads, launch, run_script
 
-SEED = "777"
+SEED = "105"
 # float64 on two ranks against one process: only the order of additions differs.
 RELATIVE_TOLERANCE = 1e-9
 
