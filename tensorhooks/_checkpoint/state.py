@@ -70,7 +70,7 @@ __all__ = ["OutsideState", "Substitution"]
 #     context's save guard from the start, which clones it before any write, the region's own
 #     included: the clone is the value the forward pass read (case 1 and 2 alike); a weight
 #     freed and refilled with its version counter put back (FSDP) is read as refilled
-#     (`_guarded_alias`);
+#     (`_tracked_form`);
 #   - otherwise a tensor that is state (neither a ``Parameter`` nor requiring grad: buffers,
 #     counters) is cloned when the region starts and the clone kept if the forward pass wrote it
 #     (case 2); one the forward pass did not write is only checked.
@@ -119,24 +119,6 @@ class _Watched:
         self.handle: Any = None  # what the save guard's pack returned, inside allow_mutation
         self.start: torch.Tensor | None = None  # its value when the region started (state only)
         self.written = False  # by the region's forward pass
-
-
-def _guarded_alias(tensor: torch.Tensor) -> torch.Tensor:
-    """The alias of a watched tensor held by the save guard of allow_mutation_on_saved_tensors.
-
-    A weight's alias stays a view of the weight, made with no ``grad_fn``: the context then
-    knows it for a weight, keeps it as well as the clone it takes before a write made under
-    ``_unsafe_preserve_version_counter``, and hands back the weight itself when the write put the
-    counter back. FSDP frees a weight's storage after the forward pass and refills it so; a
-    detached alias is no weight to the context, and only the clone would be kept: a copy of the
-    freed memory, read by recomputation. See NOTE [Writes autograd does not count] in
-    ``_mutation/saved_tensor.py``.
-    """
-    base = tensor if tensor._base is None else tensor._base
-    if base.is_leaf and base.requires_grad and tensor.layout == torch.strided:
-        with torch.no_grad():
-            return tensor.view_as(tensor)
-    return tensor.detach()
 
 
 def _is_state(tensor: torch.Tensor) -> bool:
@@ -321,7 +303,7 @@ class OutsideState:
         self._skip.add(id(tensor))
         if self._pair is not None and not hidden:
             with below_python_modes():
-                watched.handle = self._pair[0](_guarded_alias(tensor))
+                watched.handle = self._pair[0](_tracked_form(tensor))
         elif at_start and _is_state(tensor):
             with below_python_modes():
                 watched.start = tensor.clone()
@@ -489,6 +471,22 @@ class OutsideState:
 
 def _identity(value: Any) -> Any:
     return value
+
+
+def _tracked_form(tensor: torch.Tensor) -> torch.Tensor:
+    """What the save guard tracks for a watched tensor: a weight itself, anything else detached.
+
+    A weight (a leaf that requires grad, or a view of one) is handed over as it is: the context
+    keeps the tensor before a write only for weights, and decides at the first read whether the
+    write was one its author tells autograd changes nothing (FSDP2 refilling the unsharded
+    parameters it freed after forward; NOTE [Writes autograd does not count] in
+    `_mutation/saved_tensor.py`). A detached alias hides that it is a weight, so its clone, taken
+    of the freed memory, would be final. Holding the weight costs nothing: it lives with the
+    model, and its graph is at most a view of a leaf. Anything else is detached, so that its
+    graph is not kept alive.
+    """
+    base = tensor if tensor._base is None else tensor._base
+    return tensor if base.is_leaf and base.requires_grad else tensor.detach()
 
 
 def _slot(name: str | _InModule) -> object:

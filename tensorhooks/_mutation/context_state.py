@@ -22,7 +22,7 @@ from .guarded_pairs import MutationGuard
 from .saved_tensor import (
     PENDING,
     SavedTensor,
-    is_weight,
+    holds_weight,
     make_pack,
     settle_to_original,
     shares_version_counter,
@@ -197,7 +197,11 @@ class MutationContext:
                 clone = clones[shared] = original.clone()
             saved.tensor = clone
             saved.slack = 0
-            if counted_later and is_weight(original) and shares_version_counter(original, written):
+            if (
+                counted_later
+                and holds_weight(saved, original)
+                and shares_version_counter(original, written)
+            ):
                 # See NOTE [Writes autograd does not count] in `saved_tensor.py`. Kept on this
                 # storage: a later write must find it.
                 saved.original = original

@@ -29,6 +29,7 @@ __all__ = [
     "SavedTensor",
     "Track",
     "check_version",
+    "holds_weight",
     "is_weight",
     "make_pack",
     "settle",
@@ -63,6 +64,7 @@ class SavedTensor:
 
     __slots__ = (
         "__weakref__",
+        "of_weight",
         "original",
         "original_version",
         "slack",
@@ -80,6 +82,9 @@ class SavedTensor:
     # ``version`` is PENDING meanwhile.
     original: torch.Tensor
     original_version: int
+    # Set, True, when ``tensor`` is a detached alias of a view of a weight (`is_weight`), which
+    # the alias itself no longer tells. Unset otherwise: read it with `holds_weight`.
+    of_weight: bool
 
     def __getattr__(self, name: str) -> NoReturn:
         # Only reached when a slot is empty, i.e. after the context closed.
@@ -121,7 +126,10 @@ class SavedTensor:
 # refilled values). This is done only where it is safe and free:
 #   - for weights (`is_weight`: a leaf that requires grad, or a view of one), which live as long
 #     as the model, so keeping them costs no memory; an activation's storage is released as soon
-#     as the clone is taken, as before (and as torch's context does);
+#     as the clone is taken, as before (and as torch's context does). A view of a weight that the
+#     pack hook holds through a detached alias is one too (`holds_weight`): the alias no longer
+#     says so, and a clone of the freed memory would otherwise be final. So is a weight that
+#     tensorhooks.checkpoint tracks for its recomputation (it hands over the weight itself);
 #   - for a write of a single tensor through an alias sharing the saved tensor's counter (asked
 #     at the write, `shares_version_counter`). A write through ``.data`` (a counter of its own)
 #     keeps the clone, and so does a list write (``_foreach_mul_``, ``out=`` lists), which under
@@ -156,6 +164,22 @@ def is_weight(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a leaf that requires grad (a weight), or a view of one."""
     base = tensor._base if tensor._base is not None else tensor
     return base.is_leaf and base.requires_grad
+
+
+def holds_weight(saved: SavedTensor, tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``, what ``saved`` holds, is a weight or an alias the pack hook made of one.
+
+    A view of a weight saved while its node is the newest one (a checkpoint region's argument
+    ``w[3]``) is held through a detached alias, which is no view and requires no grad.
+    """
+    return is_weight(tensor) or getattr(saved, "of_weight", False)
+
+
+def _detached_saved(saved: SavedTensor, tensor: torch.Tensor) -> None:
+    """Hold ``tensor`` through a detached alias, noting whether it was a view of a weight."""
+    saved.tensor = _detached(tensor)
+    if tensor._base is not None and is_weight(tensor):
+        saved.of_weight = True
 
 
 def shares_version_counter(saved: torch.Tensor, written: torch.Tensor) -> bool:
@@ -245,7 +269,7 @@ def make_pack(pending: set[weakref.ref[SavedTensor]]) -> tuple[_Pack, Track]:
         if grad_fn is None or not newest(grad_fn):
             saved.tensor = tensor
         else:
-            saved.tensor = _detached(tensor)
+            _detached_saved(saved, tensor)
         saved.version = tensor._version
         saved.slack = 0
         add(weakref.ref(saved, discard))
@@ -253,7 +277,10 @@ def make_pack(pending: set[weakref.ref[SavedTensor]]) -> tuple[_Pack, Track]:
 
     def track(tensor: torch.Tensor, is_output: bool) -> SavedTensor:
         saved = SavedTensor()
-        saved.tensor = _detached(tensor) if is_output else tensor
+        if is_output:
+            _detached_saved(saved, tensor)
+        else:
+            saved.tensor = tensor
         saved.version = tensor._version
         saved.slack = 0
         add(weakref.ref(saved, discard))

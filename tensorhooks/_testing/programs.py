@@ -199,10 +199,10 @@ def _refill(name: str) -> list[str]:
 
     The storage is resized to zero bytes and back (no operator sees that), then refilled under
     ``torch.autograd._unsafe_preserve_version_counter``: autograd does not count the write, and
-    backward reads the same values. Only where the tensor covers its whole storage. In between,
-    memory of the same size is filled with NaN and freed: the fresh storage then most likely holds
-    NaN until the refill, so a copy of it taken by mistake gives NaN every run, not whatever the
-    allocator handed back (often the old values).
+    backward reads the same values. In between, the new memory is filled with NaN by a write no
+    operator hook sees and no version counter counts, as freed memory holds anything: a copy
+    taken of it before the refill would show in the gradients. Only where the tensor covers its
+    whole storage.
     """
     return [
         (
@@ -212,8 +212,9 @@ def _refill(name: str) -> list[str]:
         "    with torch.no_grad():",
         f"        kept = {name}.clone()",
         f"        {name}.untyped_storage().resize_(0)",
-        "        kept.new_full(kept.shape, float('nan'))  # allocated, filled and freed",
         f"        {name}.untyped_storage().resize_(kept.numel() * kept.element_size())",
+        "        with torch.utils._python_dispatch._disable_current_modes():",
+        f"            {name}.data.fill_(float('nan'))",
         f"        with torch.autograd._unsafe_preserve_version_counter({name}):",
         f"            {name}.copy_(kept)",
     ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import gc
 import os
@@ -920,6 +921,39 @@ def test_sync_gradients_over_a_checkpointed_model(monkeypatch: pytest.MonkeyPatc
     for a, b in zip(blocks.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad)
     handle.remove()
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_fully_shard_on_one_rank_under_allow_mutation() -> None:
+    """FSDP2 on one rank refills freed weights uncounted: recomputation reads the refill."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = torch.nn.Linear(6, 12)
+            self.down = torch.nn.Linear(12, 6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(
+                lambda h: h + self.down(torch.tanh(self.up(h))), x, use_reentrant=False
+            )
+
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(Block(), Block(), torch.nn.Linear(6, 2)).double()
+    sharded = copy.deepcopy(plain)
+    mesh = init_device_mesh("cpu", (1,))
+    for block in sharded[:2]:
+        fully_shard(block, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    x = torch.randn(6, 6, dtype=torch.float64)
+    for model in (plain, sharded):
+        with tensorhooks.allow_mutation_on_saved_tensors():
+            model(x).pow(2).mean().backward()
+    for a, b in zip(sharded.parameters(), plain.parameters(), strict=True):
+        assert a.grad is not None
+        torch.testing.assert_close(a.grad.full_tensor(), b.grad, rtol=1e-12, atol=1e-12)
 
 
 # --- threads --------------------------------------------------------------------------------------

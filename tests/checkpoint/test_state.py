@@ -253,7 +253,7 @@ def _refilled_weight_grads(
 @pytest.mark.parametrize("selective", [False, True], ids=["full", "must_save"])
 @pytest.mark.parametrize("twice", [False, True], ids=["once", "retain_graph"])
 @pytest.mark.parametrize("step", [False, True], ids=["", "step"])
-def test_weight_freed_and_refilled_under_allow_mutation(
+def test_weight_refilled_read_again_or_stepped_under_allow_mutation(
     selective: bool, twice: bool, step: bool
 ) -> None:
     """Recomputation reads the refilled weight, never a copy of the freed storage.
@@ -280,3 +280,35 @@ def test_weight_freed_and_refilled_under_allow_mutation(
 def mm_must_save(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
     """A selective policy saving every op's output."""
     return CheckpointPolicy.MUST_SAVE
+
+
+def _copy_preserving_version(flat: torch.Tensor, values: torch.Tensor) -> None:
+    # FSDP2's refill on one rank, or of parameters sharded on dimension 1.
+    with torch.autograd._unsafe_preserve_version_counter(flat):
+        flat.copy_(values)
+
+
+@pytest.mark.parametrize("read", sorted(READS))
+def test_weight_freed_and_refilled_under_allow_mutation(read: str) -> None:
+    """A weight freed after forward and refilled uncounted is recomputed from its refill.
+
+    FSDP2 frees its unsharded parameters after forward and writes them again before backward,
+    putting their version counter back. Recomputation reads the refilled weight, as plain
+    autograd does, not the copy the context took of the freed memory.
+    """
+    flat = _double(0, 16, requires_grad=False)
+    values = flat.clone()
+    weight = torch.nn.Parameter(flat.view(4, 4))
+    x = _double(1, 2, 4)
+    with tensorhooks.allow_mutation_on_saved_tensors():
+        loss = checkpoint(READS[read](weight), x, use_reentrant=False).pow(2).sum()
+        n_bytes = flat.untyped_storage().nbytes()
+        flat.untyped_storage().resize_(0)  # no operator sees it
+        flat.untyped_storage().resize_(n_bytes)
+        with torch.utils._python_dispatch._disable_current_modes():
+            flat.data.fill_(float("nan"))  # what freed memory holds, written by no operator
+        _copy_preserving_version(flat, values)
+        got = torch.autograd.grad(loss, [x, weight])
+    reference = torch.nn.Parameter(values.view(4, 4))
+    expected = torch.autograd.grad(READS[read](reference)(x).pow(2).sum(), [x, reference])
+    assert_same(got, expected)

@@ -135,3 +135,29 @@ def test_activations_are_not_kept_past_their_clone() -> None:
         assert watched() is None
         loss.backward()
     torch.testing.assert_close(leaf.grad, 8 * torch.ones(3, dtype=torch.float64))
+
+
+def test_refilled_view_of_a_weight_held_detached_is_read_as_refilled() -> None:
+    """A view of a weight saved while its node is the newest is held detached, still a weight.
+
+    A checkpoint region's argument ``w[3]`` is saved right after the view is made: the context
+    holds it through a detached alias, which must still wait for the refill's verdict.
+    """
+    flat = torch.randn(16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    values = flat.clone()
+    weight = torch.nn.Parameter(flat.view(4, 4))
+    reference = torch.nn.Parameter(values.view(4, 4))
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        return x * x[1::2].sum()
+
+    with tensorhooks.allow_mutation_on_saved_tensors():
+        loss = tensorhooks.checkpoint(region, weight[3], use_reentrant=False).pow(2).sum()
+        n_bytes = flat.untyped_storage().nbytes()
+        flat.untyped_storage().resize_(0)  # as FSDP2 frees after forward: no operator sees it
+        flat.untyped_storage().resize_(n_bytes)
+        flat.numpy().fill(float("nan"))  # what freed memory holds, written by no operator
+        _copy_preserving_version(flat, values)
+        (got,) = torch.autograd.grad(loss, [weight])
+    (expected,) = torch.autograd.grad(region(reference[3]).pow(2).sum(), [reference])
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
