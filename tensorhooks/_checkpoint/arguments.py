@@ -13,6 +13,7 @@ import torch
 
 from tensorhooks._core.errors import SavedTensorModifiedError
 from tensorhooks._core.guards import modified_error
+from tensorhooks._core.moves import moves
 from tensorhooks._core.torch_compat import (
     TorchDispatchMode,
     below_python_modes,
@@ -226,7 +227,38 @@ def _storage_copy(owner: torch.Tensor | None, like: torch.Tensor, extent: int) -
 
 
 def save_inputs(tensors: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
-    """Save ``tensors`` through the hooks in force; return a function that unpacks them."""
+    """Save ``tensors`` through the hooks in force; return a function that unpacks them.
+
+    The unpacking raises if an input's data was swapped since the call (``x.data = ...``): that
+    moves no version, and recomputation would read values the forward pass did not.
+    """
+    unpack = _save_inputs(tensors)
+    storages = [
+        (weakref.ref(tensor), storage_key(tensor), moves(tensor))
+        for tensor in tensors
+        if tensor.layout == torch.strided
+    ]
+
+    def unpack_unswapped() -> list[torch.Tensor]:
+        for index, (ref, key, swaps) in enumerate(storages):
+            tensor = ref()
+            if tensor is not None and storage_key(tensor) != key and moves(tensor) == swaps:
+                raise SavedTensorModifiedError(_swapped_message(index))
+        return unpack()
+
+    return unpack_unswapped
+
+
+def _swapped_message(index: int) -> str:
+    return (
+        f"tensorhooks.checkpoint: the data of the checkpointed function's tensor argument "
+        f"{index} was replaced between the forward pass and backward (tensor.data = ..., or "
+        "set_ under no_grad), so recomputation would read other values than the forward pass "
+        "did. Replace it after backward."
+    )
+
+
+def _save_inputs(tensors: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
     if make_saved_tensor is not None:
         saved = [make_saved_tensor(tensor, is_output=False) for tensor in tensors]
         return lambda: [item.unpack() for item in saved]

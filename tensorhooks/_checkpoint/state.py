@@ -6,6 +6,7 @@ See NOTE [Tensors a region reaches outside its arguments].
 from __future__ import annotations
 
 import functools
+import itertools
 import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -187,6 +188,8 @@ def _reached(name: str, value: object, depth: int) -> Iterator[_Found]:
         yield name, value, False
     elif isinstance(value, torch.nn.Module):
         yield from _module_tensors(f"{name}.", value)
+        if depth < _MAX_DEPTH:
+            yield from _forward_tensors(value, depth + 1)
     elif depth >= _MAX_DEPTH:
         return
     elif isinstance(value, types.MethodType):
@@ -247,11 +250,25 @@ def _function_tensors(function: types.FunctionType, depth: int) -> Iterator[_Fou
             yield from _reached(name, value, depth)
 
 
+def _forward_tensors(module: torch.nn.Module, depth: int) -> Iterator[_Found]:
+    """What a module's own ``forward`` reaches by its closure, defaults and globals.
+
+    A class defined inside a function reads that function's tensors from its closure; any
+    forward may read a tensor or a module defined at the top of its file.
+    """
+    forward = getattr(type(module), "forward", None)
+    if isinstance(forward, types.FunctionType):
+        yield from _function_tensors(forward, depth)
+
+
 def reachable_state(function: Callable[..., Any]) -> list[_Found]:
     """The tensors ``function`` reaches besides its arguments, each once, with a name."""
     found: dict[int, _Found] = {}
     if isinstance(function, torch.nn.Module):
-        items: Iterator[_Found] = _module_tensors(f"{type(function).__name__}.", function)
+        items: Iterator[_Found] = itertools.chain(
+            _module_tensors(f"{type(function).__name__}.", function),
+            _forward_tensors(function, 1),
+        )
     else:
         items = _reached(getattr(function, "__name__", "function"), function, 0)
     for item in items:

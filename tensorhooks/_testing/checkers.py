@@ -217,7 +217,7 @@ class _Inline:
     """
 
     def __init__(self) -> None:
-        self.read: list[tuple[torch.Tensor, int]] = []
+        self.read: list[tuple[torch.Tensor, int, int]] = []  # with version, storage
         self.reached: list[tuple[Callable[..., Any], list[_Held]]] = []
         self.policy_writes = False
 
@@ -225,13 +225,13 @@ class _Inline:
         policy = kwargs.get("context_fn") is not None
         for keyword in _CHECKPOINT_KEYWORDS:
             kwargs.pop(keyword, None)
-        self.read.extend((tensor, tensor._version) for tensor in tensors_in([args, kwargs]))
+        self.read.extend(map(_as_read, tensors_in([args, kwargs])))
         with _Writes() if policy else contextlib.nullcontext() as writes:
             result = function(*args, **kwargs)
         self.policy_writes |= writes is not None and writes.seen
         for cell in getattr(function, "__closure__", None) or ():
             with contextlib.suppress(ValueError):  # an empty cell
-                self.read.extend((t, t._version) for t in tensors_in([cell.cell_contents]))
+                self.read.extend(map(_as_read, tensors_in([cell.cell_contents])))
         self.reached.append((function, _reached(function)))
         return result
 
@@ -240,13 +240,13 @@ class _Inline:
         function = type(module).forward
 
         def before(_: torch.nn.Module, args: Any, kwargs: Any) -> None:
-            self.read.extend((tensor, tensor._version) for tensor in tensors_in([args, kwargs]))
+            self.read.extend(map(_as_read, tensors_in([args, kwargs])))
 
         def after(_: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            self.read.extend((tensor, tensor._version) for tensor in tensors_in([args, kwargs]))
+            self.read.extend(map(_as_read, tensors_in([args, kwargs])))
             for cell in getattr(function, "__closure__", None) or ():
                 with contextlib.suppress(ValueError):  # an empty cell
-                    self.read.extend((t, t._version) for t in tensors_in([cell.cell_contents]))
+                    self.read.extend(map(_as_read, tensors_in([cell.cell_contents])))
             self.reached.append((function, _reached(function)))
 
         module.register_forward_pre_hook(before, with_kwargs=True, prepend=True)
@@ -258,9 +258,24 @@ class _Inline:
         """Whether a region read a tensor changed later, or wrote in place under a policy."""
         return (
             self.policy_writes
-            or any(t._version != version for t, version in self.read)
+            or any(
+                t._version != version or _storage_address(t) != storage
+                for t, version, storage in self.read
+            )
             or any(_changed(before, _reached(function)) for function, before in self.reached)
         )
+
+
+def _as_read(tensor: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """A tensor read, with its version and storage: a write or a swap of its data since."""
+    return tensor, tensor._version, _storage_address(tensor)
+
+
+def _storage_address(tensor: torch.Tensor) -> int:
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except (NotImplementedError, RuntimeError):  # storage-less layouts
+        return 0
 
 
 # A tensor reached, with its storage's address and its version.

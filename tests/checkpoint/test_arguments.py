@@ -37,3 +37,18 @@ def test_aliasing_arguments_written_in_the_region(kind: str) -> None:
         )
         expected = torch.autograd.grad(region(*ALIASES[kind](leaf * 1)), [leaf, w])
     assert_same(got, expected)
+
+
+@pytest.mark.parametrize("reads_it_too", [False, True], ids=["argument", "argument and closure"])
+def test_an_argument_whose_data_was_swapped_raises(reads_it_too: bool) -> None:
+    """``x.data = ...`` after the call moves no version: backward raises, never recomputes."""
+    weight = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    other = torch.randn(4, 4, dtype=torch.float64)
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, weight if reads_it_too else other)
+
+    out = checkpoint(region, weight, use_reentrant=False)
+    weight.data = weight.detach() * 0.5 + 0.25
+    with pytest.raises(tensorhooks.SavedTensorModifiedError, match="was replaced between"):
+        out.sum().backward()
