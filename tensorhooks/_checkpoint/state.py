@@ -196,6 +196,9 @@ def _reached(name: str, value: object, depth: int) -> Iterator[_Found]:
         yield from _reached(type(value.__self__).__name__, value.__self__, depth + 1)
     elif isinstance(value, types.FunctionType):
         yield from _function_tensors(value, depth + 1)
+    elif isinstance(value, functools.partial):  # transparent: its function and arguments
+        for label, item in _members(name, value):
+            yield from _reached(label, item, depth)
     else:
         for label, item in _members(name, value):
             yield from _reached(label, item, depth + 1)
