@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable
 
@@ -369,3 +370,28 @@ def test_a_buffer_bound_by_the_forward_pass_itself_is_not_a_replacement() -> Non
     (got,) = torch.autograd.grad(checkpoint(cache, x).sum(), [x])
     (expected,) = torch.autograd.grad(GrowingCache()(x).sum(), [x])
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("form", ["checkpoint(module)", "checkpoint_module", "partial"])
+def test_what_a_module_forward_reaches_is_watched(form: str) -> None:
+    """A tensor a module's own forward reads from its closure, rebound or written: never silent."""
+    from tensorhooks.checkpointing import checkpoint_module
+
+    scale = [torch.randn(4, 4, dtype=torch.float64)]
+
+    class Block(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.linear(x, scale[0])
+
+    block = Block()
+    x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    if form == "checkpoint_module":
+        checkpoint_module(block)
+        out = block(x)
+    elif form == "partial":
+        out = checkpoint(functools.partial(lambda m, h: m(h), block), x)
+    else:
+        out = checkpoint(block, x)
+    scale[0] = torch.zeros(4, 4, dtype=torch.float64)  # rebound before backward
+    with pytest.raises(tensorhooks.SavedTensorModifiedError):
+        out.sum().backward()
