@@ -7,6 +7,8 @@ check fails is exactly the code that ran. See NOTE [Random autograd programs].
 from __future__ import annotations
 
 import contextlib
+import sys
+import types
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +21,8 @@ from .drawing import SHAPE, Scope, alias, compute, pick, write
 from .errors import CheckArgumentValueError
 from .reached import change
 from .regions import REGION_KINDS, draw_region, policy_source
+
+_PROGRAM_MODULE = "tensorhooks_testing_program"
 
 __all__ = ["BACKWARDS", "REGION_KINDS", "Program", "SavedOutputExp", "Square", "programs"]
 
@@ -96,7 +100,11 @@ class Program:
         return f"Program(<{self.source.count(chr(10))} lines of Python>)"
 
     def _namespace(self) -> dict[str, Any]:
-        namespace: dict[str, Any] = {"__name__": "tensorhooks_testing_program"}
+        # A module of its own, registered: Dynamo (torch 2.11) imports the module a compiled
+        # function's globals name.
+        module = types.ModuleType(_PROGRAM_MODULE)
+        sys.modules.setdefault(_PROGRAM_MODULE, module)
+        namespace: dict[str, Any] = {"__name__": _PROGRAM_MODULE}
         exec(compile(self.source, "<random autograd program>", "exec"), namespace)
         return namespace
 
