@@ -295,7 +295,7 @@ def _reached(function: Callable[..., Any]) -> list[_Held]:
             values.append(cell.cell_contents)
     code, names = getattr(function, "__code__", None), getattr(function, "__globals__", {})
     values.extend(names[name] for name in (code.co_names if code else ()) if name in names)
-    return [(t, t.untyped_storage().data_ptr(), t._version) for t in _held(values, 0)]
+    return [(t, _storage_address(t), t._version) for t in _held(values, 0)]
 
 
 def _held(value: Any, depth: int) -> Iterator[torch.Tensor]:
