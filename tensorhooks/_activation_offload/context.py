@@ -323,6 +323,7 @@ class save_on_cpu(saved_tensors_hooks, torch_graph.save_on_cpu):
             return OffloadStats(0, 0, 0, 0, 0, 0)
         return pool_of(engine).stats()
 
+    @not_traced("save_on_cpu")
     def __enter__(self) -> None:
         guard = current_save_guard()
         session = Session(self._options, guard, copy_engine_provider())
@@ -333,6 +334,7 @@ class save_on_cpu(saved_tensors_hooks, torch_graph.save_on_cpu):
         push_saved_tensors_hooks(pack, unpack)
         _open.entries.append((self._by_hand, session))
 
+    @not_traced("save_on_cpu")
     def __exit__(self, *args: object) -> None:
         pop_saved_tensors_hooks()
         entries = _open.entries

@@ -81,12 +81,14 @@ def graph_leaves(roots: Iterable[Node | None], start: int) -> list[torch.Tensor]
     """
     found: list[torch.Tensor] = []
     stack = [root for root in roots if root is not None and sequence_nr(root) >= start]
-    seen = {id(node) for node in stack}
+    # Keyed by id, holding the node objects: torch 2.11 makes a new Python object for a node at
+    # each `next_functions` read, and a freed one's id would be taken by the next.
+    seen = {id(node): node for node in stack}
     while stack:
         for following, _ in stack.pop().next_functions:
             if following is None or id(following) in seen:
                 continue
-            seen.add(id(following))
+            seen[id(following)] = following
             if type(following) is _ACCUMULATE_GRAD:
                 found.append(following.variable)  # type: ignore[attr-defined]  # its leaf
             elif sequence_nr(following) >= start:
@@ -119,15 +121,16 @@ class RecomputedReads:
         self._known = known  # ids of the outside tensors the forward pass read
         self._inputs = {id(tensor) for tensor in inputs}
         self._inputs.update(id(tensor._base) for tensor in inputs if tensor._base is not None)
-        self._roots: list[Node] = []
+        self._roots: list[torch.Tensor] = []  # what recomputation saved, with a graph
         self._mismatches: list[tuple[str, weakref.ref[torch.Tensor], torch.Tensor | None]] = []
         self._start = next_sequence_nr()
 
     def saved(self, index: int, tensor: torch.Tensor) -> None:
         """Recomputation saved ``tensor`` at position ``index``: note what it was read from."""
-        node = tensor.grad_fn
-        if node is not None:
-            self._roots.append(node)
+        if tensor.grad_fn is not None:
+            # The tensor, not its node: on torch 2.11 a custom Function's node object does not
+            # keep its graph alive, and asking it anything once the graph died raises.
+            self._roots.append(tensor)
         ref = self._expected.get(index)
         if ref is None:
             return
@@ -157,7 +160,7 @@ class RecomputedReads:
         """The leaves of recomputation's graph the forward pass did not read, held weakly."""
         return [
             ("a tensor requiring grad", weakref.ref(leaf), None)
-            for leaf in graph_leaves(self._roots, self._start)
+            for leaf in graph_leaves([root.grad_fn for root in self._roots], self._start)
             if self._known.get(id(leaf)) is not leaf and id(leaf) not in self._inputs
         ]
 

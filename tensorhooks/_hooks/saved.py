@@ -81,10 +81,12 @@ class saved_tensors_hooks(torch_graph.saved_tensors_hooks):
         self.pack_hook = pack_hook
         self.unpack_hook = unpack_hook
 
+    @not_traced("saved_tensors_hooks")
     def __enter__(self) -> None:
         pack, unpack = current_save_guard().wrap(self.pack_hook, self.unpack_hook)
         push_saved_tensors_hooks(pack, unpack)
 
+    @not_traced("saved_tensors_hooks")
     def __exit__(self, *args: object) -> None:
         pop_saved_tensors_hooks()
 
