@@ -3,7 +3,8 @@
 `nox` runs the checks on the pinned torch: lint, typecheck, tests-2.13, examples, docs.
 `nox -t tests` runs the test suite on every supported torch release: the floor declared in
 pyproject.toml, the release constraints.txt pins, and the newest release on the package index.
-`nox -t ci` (what `.ci/run` runs) is all of them. See docs/torch-versions.md.
+`nox -t ci` is all of them; `.ci/run` runs the same set as three streams side by side (`nox`,
+`nox -t floor`, `nox -t newest`). See docs/torch-versions.md.
 """
 
 from __future__ import annotations
@@ -93,17 +94,18 @@ def _tests(session: nox.Session, torch: str) -> None:
     session.run("pytest", *session.posargs, env={"HYPOTHESIS_PROFILE": "ci"})
 
 
-def _tests_session(torch: str) -> None:
+def _tests_session(torch: str, role: str) -> None:
     def tests(session: nox.Session) -> None:
         _tests(session, torch)
 
     tests.__doc__ = f"The test suite on torch {torch}."
-    nox.session(name=f"tests-{_minor(torch)}", tags=["tests", "ci"])(tests)
+    nox.session(name=f"tests-{_minor(torch)}", tags=["tests", "ci", role])(tests)
 
 
-# One session per release: tests-2.11, tests-2.13, tests-2.15; `nox -t tests` runs them all.
-for _release in RELEASES:
-    _tests_session(_release)
+# One session per release: tests-2.11, tests-2.13, tests-2.15; `nox -t tests` runs them all,
+# `nox -t floor` and `nox -t newest` one each (.ci/run runs them beside `nox`).
+for _release, _role in zip(RELEASES, ["floor", "pinned", "newest"], strict=True):
+    _tests_session(_release, _role)
 
 
 @nox.session(tags=["ci"])
