@@ -3,7 +3,9 @@
 The command gets a process group of its own (``start_new_session``), so that at the limit every
 process it started is stopped with it: first SIGINT (Python raises KeyboardInterrupt, so a part
 records where it was and pytest prints what ran so far), then SIGKILL after a grace period for
-a process stuck in a call that does not return (a hung CUDA synchronisation).
+a process stuck in a call that does not return (a hung CUDA synchronisation). The command starts
+with SIGINT at its default action even where this process ignores it (a shell's background job
+does), or Python in it would not raise KeyboardInterrupt.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def run_logged(
             env=None if env is None else dict(env),
             cwd=cwd,
             start_new_session=True,
+            preexec_fn=_interrupt_by_default,  # noqa: PLW1509  # one thread runs parts
         )
         timed_out = not _wait_unreaped(process.pid, start + max(limit_s, 0.0))
         if timed_out:
@@ -73,6 +76,11 @@ def run_logged(
         _signal_group(process.pid, signal.SIGKILL)
         returncode = process.wait()
     return Finished(None if timed_out else returncode, time.monotonic() - start)
+
+
+def _interrupt_by_default() -> None:
+    """In the child before exec: SIGINT back to its default action (an ignored one stays so)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _wait_unreaped(pid: int, until: float) -> bool:
