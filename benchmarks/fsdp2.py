@@ -30,7 +30,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -258,7 +258,7 @@ def launch(options: argparse.Namespace) -> None:
     os.execve(sys.executable, argv, environment)
 
 
-def main() -> int:
+def main() -> NoReturn:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, to check the script")
@@ -275,17 +275,19 @@ def main() -> int:
     else:
         torch.set_num_threads(1)
     dist.init_process_group("nccl" if options.gpu else "gloo")
-    try:
-        result = measure(size, device, dtype, options.rounds)
-        results: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(results, result)
-        if dist.get_rank() == 0:
-            report(results, size, device, dtype)
-        sys.stdout.flush()
-    finally:
-        dist.destroy_process_group()
-    return 0
+    result = measure(size, device, dtype, options.rounds)
+    results: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(results, result)
+    if dist.get_rank() == 0:
+        report(results, size, device, dtype)
+    sys.stdout.flush()
+    dist.barrier()
+    # Leave without destroying the group or shutting the interpreter down: gloo's worker threads
+    # can abort either ("terminate called without an active exception", seen here under load)
+    # once all the work is done. See NOTE [Leaving a gloo process group] in
+    # tensorhooks/cli/_two_processes.py.
+    os._exit(0)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()
