@@ -71,28 +71,60 @@ def plan_table(blocks: Sequence[BlockPlan], *, exact: bool = True) -> list[str]:
     """The per-block lines of a plan: choice, ops run again, MiB held, time change; a legend.
 
     Every line the plan adds is at most 80 characters (block names aside), so it reads whole in
-    a terminal and in a log. ``exact`` False adds what a grouped search means (see
-    `tensorhooks._planner.solver`).
+    a terminal and in a log: the number columns are as wide as their widest figure, and a choice
+    too long for the room left goes on in the lines below its row, split after a comma.
+    ``exact`` False adds what a grouped search means (see `tensorhooks._planner.solver`).
     """
-    name_width = max([len("block"), *(len(block.name) for block in blocks)])
-    choice_width = max([len("choice"), *(len(block.choice) for block in blocks)])
-    header = (
-        f"{'block':<{name_width}}  {'choice':<{choice_width}}  {'again':>5}  {'held':>6}  "
-        f"{'in bwd':>6}  {'host':>6}  {'time':>9}"
-    )
-    return [
-        header,
-        "-" * len(header),
-        *(
-            f"{block.name:<{name_width}}  {block.choice:<{choice_width}}  "
-            f"{block.recomputed:>5}  {block.device_bytes / (1 << 20):>6.2f}  "
-            f"{block.backward_bytes / (1 << 20):>6.2f}  {block.host_bytes / (1 << 20):>6.2f}  "
-            f"{block.seconds * 1e3:>+6.2f} ms"
-            for block in blocks
-        ),
-        *LEGEND,
-        *([] if exact else GROUPED),
+    headers = ("again", "held", "in bwd", "host", "time")
+    figures = [
+        (
+            f"{block.recomputed}",
+            f"{block.device_bytes / (1 << 20):.2f}",
+            f"{block.backward_bytes / (1 << 20):.2f}",
+            f"{block.host_bytes / (1 << 20):.2f}",
+            f"{block.seconds * 1e3:+.2f} ms",
+        )
+        for block in blocks
     ]
+    widths = [  # at least as wide as a small model's figures, so that most tables look alike
+        max([least, len(header), *(len(row[i]) for row in figures)])
+        for i, (header, least) in enumerate(zip(headers, (5, 6, 6, 6, 9), strict=True))
+    ]
+    name_width = max([len("block"), *(len(block.name) for block in blocks)])
+    room = _WIDTH - name_width - sum(2 + width for width in widths) - 2
+    shortest = len("offload input,")  # the longest part of a choice, with its comma
+    longest = max([len("choice"), *(len(block.choice) for block in blocks)])
+    choice_width = min(longest, max(room, shortest))
+
+    def line(name: str, choice: str, row: Sequence[str]) -> str:
+        cells = "".join(f"  {cell:>{width}}" for cell, width in zip(row, widths, strict=True))
+        return f"{name:<{name_width}}  {choice:<{choice_width}}{cells}".rstrip()
+
+    header = line("block", "choice", headers)
+    lines = [header, "-" * len(header)]
+    for block, row in zip(blocks, figures, strict=True):
+        first, *rest = _wrapped(block.choice, choice_width)
+        lines.append(line(block.name, first, row))
+        lines.extend(f"{'':<{name_width}}  {part}" for part in rest)
+    return [*lines, *LEGEND, *([] if exact else GROUPED)]
+
+
+_WIDTH = 80
+"""The width every line of a plan's table keeps to (block names aside)."""
+
+
+def _wrapped(choice: str, width: int) -> list[str]:
+    """``choice`` in lines of at most ``width`` characters, split after its commas."""
+    parts = choice.split(", ")
+    lines = [parts[0]]
+    for index, part in enumerate(parts[1:], start=2):
+        comma = 1 if index < len(parts) else 0  # a part with another after it ends in one
+        if len(lines[-1]) + 2 + len(part) + comma <= width:
+            lines[-1] += f", {part}"
+        else:
+            lines[-1] += ","
+            lines.append(part)
+    return lines
 
 
 LEGEND = (
