@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from hypothesis import strategies as st
 
-from .drawing import SHAPE, Scope, alias, compute, write
+from .drawing import SHAPE, Scope, alias, compute, leaves_source, write
 
 __all__ = ["COMPILED_BACKWARDS", "COMPILED_CONTEXTS", "compiled_source"]
 
@@ -88,14 +88,7 @@ def compiled_source(draw: st.DrawFn, n_leaves: int, seed: int) -> str:
             f"    return {context}",
             "",
             "",
-            "def make_leaves():",
-            f"    generator = torch.Generator().manual_seed({seed})",
-            "    return [",
-            "        torch.randn(4, 4, dtype=torch.float64, generator=generator).requires_grad_()",
-            f"        for _ in range({n_leaves})",
-            "    ]",
-            "",
-            "",
+            *leaves_source(seed, n_leaves),
             "def program(leaves):",
             f"    {leaves}, = leaves",
             "",

@@ -22,6 +22,7 @@ __all__ = [
     "alias",
     "binary",
     "compute",
+    "leaves_source",
     "pick",
     "unary",
     "write",
@@ -87,6 +88,20 @@ class Scope:
         self.requires_grad.append(requires_grad)
         self.computed.append(computed)
         return len(self.names) - 1
+
+
+def leaves_source(seed: int, n_leaves: int) -> list[str]:
+    """The lines defining a program's ``make_leaves()``: seeded float64 leaves, then two blanks."""
+    return [
+        "def make_leaves():",
+        f"    generator = torch.Generator().manual_seed({seed})",
+        "    return [",
+        "        torch.randn(4, 4, dtype=torch.float64, generator=generator).requires_grad_()",
+        f"        for _ in range({n_leaves})",
+        "    ]",
+        "",
+        "",
+    ]
 
 
 def pick(draw: st.DrawFn, scope: Scope) -> int:

@@ -17,7 +17,7 @@ import torch
 from hypothesis import strategies as st
 
 from .compiled import compiled_source
-from .drawing import SHAPE, Scope, alias, compute, pick, write
+from .drawing import SHAPE, Scope, alias, compute, leaves_source, pick, write
 from .errors import CheckArgumentValueError
 from .reached import change
 from .regions import REGION_KINDS, draw_region, policy_source
@@ -425,14 +425,7 @@ def _source(builder: _Builder, n_leaves: int, seed: int, body: list[str], draw: 
             "",
             "",
             *policy,
-            "def make_leaves():",
-            f"    generator = torch.Generator().manual_seed({seed})",
-            "    return [",
-            "        torch.randn(4, 4, dtype=torch.float64, generator=generator).requires_grad_()",
-            f"        for _ in range({n_leaves})",
-            "    ]",
-            "",
-            "",
+            *leaves_source(seed, n_leaves),
             "def program(leaves):",
             f"    {leaves}, = leaves",
             "    const = torch.linspace(-1, 1, 16, dtype=torch.float64).reshape(4, 4)",
