@@ -1,99 +1,106 @@
-"""What a region reads from outside its arguments, recorded as it runs, checked in recomputation.
+"""What a region read from outside its arguments, found by structure; recomputation held to it.
 
-See NOTE [Reads recorded as the region runs].
+See NOTE [What a region read].
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import sys
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.autograd.graph import Node
 
 from tensorhooks._core.errors import SavedTensorModifiedError
-from tensorhooks._core.torch_compat import next_sequence_nr, sequence_nr
+from tensorhooks._core.guards import PackHook, UnpackHook, modified_message
+from tensorhooks._core.moves import moves
+from tensorhooks._core.torch_compat import below_python_modes, sequence_nr, storage_key
+
+from .messages import describe, not_written_message, replaced_message
+from .state import tracked_form
 
 __all__ = [
+    "GraphReads",
     "RecomputedReads",
     "describe",
-    "graph_leaves",
     "not_written_message",
     "replaced_message",
+    "tensors_in",
     "watch_optimizer_steps",
 ]
 
-# NOTE [Reads recorded as the region runs]
+# NOTE [What a region read]
 #
-# Walking what the function holds (its closure, defaults, ``self``) finds the state it reaches
-# by the usual ways, and each container it does not walk (a dict, a global, a plain object's
-# attribute) or each rebinding (``module.weight = nn.Parameter(...)``, a closure variable bound
-# to a new tensor) would be a new hole. So what the region read is also recorded as it runs, and
-# recomputation is held to the same reads, whatever way the function reached them:
-#   - each tensor the forward pass saves from outside the region (or the base of a view of one:
-#     ``nn.Linear`` saves ``weight.t()``) is recorded by its position among the saves; at that
-#     position recomputation must save from the same tensor object;
-#   - each leaf the region's part of the autograd graph reaches (every parameter and every
-#     tensor requiring grad that the region read, saved or not: a bias) is recorded from the
-#     graph when the forward pass ends; the leaves of the graph recomputation builds must be
-#     among them, or be its own inputs.
-# Every tensor so recorded is then watched like the state found by the walk: its version and its
-# storage (``param.data = ...`` swaps the storage and moves no version; a feature that swaps it
-# for an equal copy, as `offload_parameters` does, counts the swap: _core/moves.py) must be
-# those of the forward pass, or recomputation reads the value the forward pass read (inside
-# ``allow_mutation_on_saved_tensors``), or it raises before backward uses anything recomputed.
-# Tensors that require no grad and that the walk found are also held to their slot: the module
-# attribute or the name where the forward pass left them must hold the same tensor.
+# Recomputation must read what the forward pass read. Three records tell what that was, each
+# read off a structure autograd builds anyway, none by walking what the function might reach:
+#   - the *inputs*, saved the way a node saves its inputs (arguments.py);
+#   - the *region's part of the graph*: when the forward pass ends, the graph is walked down from
+#     every tensor the region returned (however nested: lists, tuples, dicts, dataclasses) to
+#     where it enters the region: the nodes of its inputs, the leaves (every parameter and every
+#     tensor requiring grad it read, saved or not: a bias), and the nodes of tensors made before
+#     it (an activation read through a closure). The forward pass is one call on the calling
+#     thread, and the region's nodes are the ones that thread made during that call: their
+#     numbers lie between the thread's counter before the call and after it. That is the only
+#     place a node number is read; recomputation may run on any thread (CUDA's engine runs device
+#     nodes on a worker thread of its own) and never compares numbers: the graph it builds ends
+#     where it meets the nodes recorded here, or the inputs it was given;
+#   - the *saved positions*: each tensor the forward pass saved that comes from outside the
+#     region (a leaf requiring grad, or the base of a view of one: ``nn.Linear`` saves
+#     ``weight.t()``; or a tensor requiring no grad that the region found bound at the call:
+#     state.py) is recorded by its position among the saves; at that position recomputation must
+#     save from the same tensor, so two layers swapped, or a weight exchanged with another, are
+#     told apart although each tensor is one the forward pass read somewhere.
+# Each leaf so recorded is watched: its version and storage (``param.data = ...`` swaps the
+# storage and moves no version; a feature that swaps it for an equal copy, as
+# `offload_parameters` does, counts the swap: _core/moves.py) must be those the forward pass left,
+# or backward raises `SavedTensorModifiedError` before anything recomputed is used (inside
+# ``allow_mutation_on_saved_tensors``, the value the forward pass left is read instead).
+# Recomputation's own writes to a weight (``nn.Embedding(max_norm=...)`` renormalises it again)
+# are its own: the versions watched are those recomputation leaves.
 #
-# A tensor recomputation read that the forward pass did not may be one that the recomputation
-# made itself (a leaf created inside the function, ``torch.ones(3, requires_grad=True)``): such
-# a tensor is referenced only by the recomputation, and is dead once it ends, while a tensor
-# read from outside is alive (something outside holds it: a module, a closure, a global). So a
-# mismatch is kept weakly and reported only if its tensor outlives the recomputation.
+# A leaf recomputation read that the forward pass did not, or a different tensor at a saved
+# position, may be one recomputation made itself (``torch.ones(3, requires_grad=True)`` inside
+# the function): such a tensor is referenced only by the recomputation and is dead once it ends,
+# while a tensor read from outside is alive, held by a module, a closure, a global. So a
+# mismatch is held weakly and reported only if its tensor outlives the recomputation.
 #
 # Fused optimizers (``torch.optim.Adam(fused=True)`` and the others with a ``fused`` option)
 # write the parameters without moving their version counters, which no version check can see.
 # A global post-step hook of torch.optim moves the versions of the parameters a fused step wrote,
 # as the for-loop and foreach implementations do. Installed when tensorhooks is imported.
-#
-# Not recorded: a tensor that requires no grad, is not saved, and lies deeper than the walk looks
-# (the walk also follows dicts, plain objects and the globals the code names, a few levels
-# down). Its value reaches backward only through the tensors recomputed from it; see the
-# Limits section of docs/checkpoint.md.
 
 
-def describe(tensor: torch.Tensor) -> str:
-    """A tensor named by its kind and shape, for a message."""
-    kind = "a Parameter" if isinstance(tensor, torch.nn.Parameter) else "a tensor"
-    return f"{kind} of shape {list(tensor.shape)}"
-
-
-def graph_leaves(roots: Iterable[Node | None], start: int) -> list[torch.Tensor]:
-    """The leaves (tensors requiring grad) read by the nodes numbered ``start`` or later.
-
-    Walks down from ``roots`` through those nodes only: older nodes belong to tensors made
-    before the region, whose own graph is not the region's business. It runs twice per region
-    call (forward pass and recomputation), so it asks each node's class, not its attributes.
-    """
+def tensors_in(value: object) -> list[torch.Tensor]:
+    """The tensors in what a region returned: in lists, tuples, dicts and dataclasses, any depth."""
+    if isinstance(value, torch.Tensor):
+        return [value]
     found: list[torch.Tensor] = []
-    stack = [root for root in roots if root is not None and sequence_nr(root) >= start]
-    # Keyed by id, holding the node objects: torch 2.11 makes a new Python object for a node at
-    # each `next_functions` read, and a freed one's id would be taken by the next.
-    seen = {id(node): node for node in stack}
-    while stack:
-        for following, _ in stack.pop().next_functions:
-            if following is None or id(following) in seen:
-                continue
-            seen[id(following)] = following
-            if type(following) is _ACCUMULATE_GRAD:
-                found.append(following.variable)  # type: ignore[attr-defined]  # its leaf
-            elif sequence_nr(following) >= start:
-                stack.append(following)
+    _collect(value, found, 0)
     return found
+
+
+_MAX_NESTING = 32
+
+
+def _collect(value: object, found: list[torch.Tensor], depth: int) -> None:
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif depth >= _MAX_NESTING:
+        return
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _collect(item, found, depth + 1)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _collect(item, found, depth + 1)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            _collect(getattr(value, field.name, None), found, depth + 1)
 
 
 def _accumulate_grad_class() -> type:
@@ -106,24 +113,228 @@ def _accumulate_grad_class() -> type:
 _ACCUMULATE_GRAD = _accumulate_grad_class()
 
 
+def _leaf_of(accumulator: Node) -> torch.Tensor:
+    """The leaf an accumulator node accumulates into."""
+    leaf: torch.Tensor = accumulator.variable  # type: ignore[attr-defined]  # AccumulateGrad's
+    return leaf
+
+
+class _Leaf:
+    """A leaf the region's graph reads, with what the forward pass left of it."""
+
+    __slots__ = ("handle", "storage", "swaps", "tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.version = tensor._version
+        self.storage = storage_key(tensor)
+        self.swaps = moves(tensor)
+        self.handle: Any = None
+
+
+_Namer = Callable[[torch.Tensor], str]
+
+
+class _Saved:
+    """A tensor from outside the region saved at one position: held (or weakly), its version."""
+
+    __slots__ = ("by_value", "held", "version")
+
+    def __init__(
+        self, held: torch.Tensor | weakref.ref[torch.Tensor], version: int, *, by_value: bool
+    ) -> None:
+        self.held = held
+        self.version = version
+        self.by_value = by_value  # requires no grad: an equal tensor in its place will do
+
+    def tensor(self) -> torch.Tensor | None:
+        held = self.held
+        return held if isinstance(held, torch.Tensor) else held()
+
+
+class GraphReads:
+    """The region's part of the graph, where it enters: leaves and older nodes.
+
+    See NOTE [What a region read].
+    """
+
+    __slots__ = ("inputs", "leaves", "outer", "positions", "written_after_save")
+
+    def __init__(self, inputs: Sequence[torch.Tensor]) -> None:
+        # Where the region's graph starts from its inputs, read when the call starts: each
+        # input's node then (an input changed in place inside the region gets a node of the
+        # region's, which must not be held: it holds the region), or the input itself if a leaf.
+        self.inputs: dict[int, object] = {}
+        for tensor in inputs:
+            for entry in (tensor, tensor._base):
+                if entry is None:
+                    continue
+                if entry.grad_fn is not None:
+                    self.inputs[id(entry.grad_fn)] = entry.grad_fn
+                elif entry.is_leaf:
+                    self.inputs[id(entry)] = entry
+        self.leaves: dict[int, _Leaf] = {}
+        self.outer: dict[int, Node] = {}
+        self.positions: dict[int, _Saved] = {}
+        # Leaves the region saved and then changed in place: plain autograd raises at backward.
+        self.written_after_save: list[tuple[torch.Tensor, int]] = []
+
+    def walk(self, outputs: list[torch.Tensor], start: int, end: int) -> None:
+        """At the end of the forward pass: record where its graph enters the region."""
+        self._walk([t.grad_fn for t in outputs if t.grad_fn is not None], start, end)
+
+    def _walk(self, roots: list[Node], start: int, end: int) -> None:
+        inputs, leaves, outer = self.inputs, self.leaves, self.outer
+        stack = [root for root in roots if id(root) not in inputs and start <= sequence_nr(root)]
+        # Every node met is held: torch 2.11 makes a new Python object for a node at each
+        # `next_functions` read, and a freed one's id would be taken by the next.
+        seen = {id(node): node for node in stack}
+        while stack:
+            for following, _ in stack.pop().next_functions:
+                if following is None or id(following) in seen:
+                    continue
+                seen[id(following)] = following
+                if type(following) is _ACCUMULATE_GRAD:
+                    leaf = _leaf_of(following)
+                    if id(leaf) not in inputs:
+                        leaves[id(leaf)] = _Leaf(leaf)
+                elif id(following) in inputs:
+                    continue
+                elif start <= sequence_nr(following) < end:
+                    stack.append(following)
+                else:
+                    outer[id(following)] = following
+
+    def note_saved(self, index: int, base: torch.Tensor, version: int, outputs: set[int]) -> None:
+        """The forward pass saved ``base`` (at ``version``) at ``index``: note it if from outside.
+
+        A leaf is held weakly (the graph holds it); an older activation, or a tensor requiring
+        no grad that is neither an input nor an output, is held as a node would hold it: it
+        outlived the forward pass, so something outside the region holds it too.
+        """
+        key = id(base)
+        if key in self.leaves:
+            self.positions[index] = _Saved(weakref.ref(base), version, by_value=False)
+            if base._version != version:
+                self.written_after_save.append((base, version))
+        elif key in self.inputs or key in outputs:
+            return
+        elif base.requires_grad:
+            node = base.grad_fn
+            if node is not None and id(node) in self.outer:
+                self.positions[index] = _Saved(base, version, by_value=False)
+        else:
+            self.positions[index] = _Saved(base, version, by_value=True)
+
+    def check_saved(self, substituted: set[int], namer: _Namer) -> None:
+        """Before recomputation: a tensor saved from outside must be as it was when saved.
+
+        Raises:
+            SavedTensorModifiedError: if one was changed in place since (plain autograd, which
+                holds what it saved, raises too), unless recomputation reads a kept value.
+        """
+        for saved in self.positions.values():
+            tensor = saved.tensor()
+            if tensor is None or tensor._version == saved.version or id(tensor) in substituted:
+                continue
+            if id(tensor) in self.leaves and tensor._version == self.leaves[id(tensor)].version:
+                continue  # the region wrote it after saving it: written_after_save says so
+            raise SavedTensorModifiedError(
+                modified_message(tensor.type(), list(tensor.shape), tensor._version, saved.version)
+                + f" Hint: the checkpointed function saved {namer(tensor)}, which it reads from "
+                "outside its arguments, and it was changed in place since, so recomputation "
+                "would read the changed value. Change it after backward, pass it to checkpoint "
+                "as an argument, or run the forward pass and backward inside "
+                "tensorhooks.allow_mutation_on_saved_tensors() (which keeps its value)."
+            )
+
+    def watch(self, pair: tuple[PackHook, UnpackHook] | None) -> None:
+        """Inside ``allow_mutation_on_saved_tensors``: let the context keep each leaf's value."""
+        if pair is None:
+            return
+        with below_python_modes():
+            for leaf in self.leaves.values():
+                leaf.handle = pair[0](tracked_form(leaf.tensor))
+
+    def values(
+        self, pair: tuple[PackHook, UnpackHook] | None, namer: _Namer
+    ) -> list[tuple[torch.Tensor, Any]]:
+        """Before recomputation: the leaves it must read in place of their present value.
+
+        Raises:
+            SavedTensorModifiedError: if a leaf was changed in place, or its data swapped, since
+                the forward pass (outside ``allow_mutation_on_saved_tensors``).
+        """
+        found = []
+        if pair is None and self.written_after_save:
+            tensor, version = self.written_after_save[0]
+            raise SavedTensorModifiedError(
+                modified_message(tensor.type(), list(tensor.shape), tensor._version, version)
+                + f" Hint: the checkpointed function saved {namer(tensor)} and then changed it "
+                "in place in its forward pass, as plain autograd would refuse too. Run the forward "
+                "pass and backward inside tensorhooks.allow_mutation_on_saved_tensors() to keep "
+                "its value, or write to a copy."
+            )
+        for leaf in self.leaves.values():
+            tensor = leaf.tensor
+            if leaf.handle is not None:
+                assert pair is not None
+                value = pair[1](leaf.handle)
+                if storage_key(value) != storage_key(tensor):
+                    found.append((tensor, value))
+                continue
+            if storage_key(tensor) != leaf.storage and moves(tensor) == leaf.swaps:
+                raise SavedTensorModifiedError(not_written_message(namer(tensor)))
+            if tensor._version != leaf.version:
+                raise SavedTensorModifiedError(
+                    modified_message(
+                        tensor.type(), list(tensor.shape), tensor._version, leaf.version
+                    )
+                    + f" Hint: the checkpointed function reads {namer(tensor)} from outside its "
+                    "arguments, and it was changed in place between the forward pass and backward, "
+                    "so recomputation would use the changed value. Change it after backward, pass "
+                    "it to checkpoint as an argument, or run the forward pass and backward inside "
+                    "tensorhooks.allow_mutation_on_saved_tensors() (which keeps its value)."
+                )
+        return found
+
+    def recomputed(self) -> None:
+        """After a recomputation: its own writes to the leaves (a renormalisation) are its own."""
+        for leaf in self.leaves.values():
+            leaf.version = leaf.tensor._version
+
+
 class RecomputedReads:
     """One recomputation's reads, checked against what the forward pass read."""
 
-    __slots__ = ("_expected", "_inputs", "_known", "_mismatches", "_roots", "_start")
+    __slots__ = ("_entries", "_expected", "_known", "_mismatches", "_roots")
 
-    def __init__(
-        self,
-        expected: dict[int, weakref.ref[torch.Tensor]],
-        known: dict[int, torch.Tensor],
-        inputs: Sequence[torch.Tensor],
-    ) -> None:
-        self._expected = expected  # position of a save -> the outside tensor saved there
-        self._known = known  # ids of the outside tensors the forward pass read
-        self._inputs = {id(tensor) for tensor in inputs}
-        self._inputs.update(id(tensor._base) for tensor in inputs if tensor._base is not None)
+    def __init__(self, graph: GraphReads, inputs: Sequence[torch.Tensor]) -> None:
+        self._expected = graph.positions
+        self._known = graph.leaves
+        # Where recomputation's graph meets the forward pass's: the nodes the forward pass's
+        # graph entered by, and the inputs recomputation was given (unpacked: new objects whose
+        # graph leads to the inputs' own nodes and accumulators).
+        self._entries: dict[int, object] = dict(graph.outer)
+        self._entries.update(graph.inputs)
+        for tensor in inputs:
+            self._enter(tensor)
+            base = tensor._base
+            if base is not None:
+                self._enter(base)
+                # Inputs laid out again on a copy of their storage (arguments.py): the copy's
+                # graph is a clone of a leaf made for it, before recomputation started.
+                if base.grad_fn is not None:
+                    for following, _ in base.grad_fn.next_functions:
+                        if following is not None and type(following) is _ACCUMULATE_GRAD:
+                            self._enter(_leaf_of(following))
         self._roots: list[torch.Tensor] = []  # what recomputation saved, with a graph
         self._mismatches: list[tuple[str, weakref.ref[torch.Tensor], torch.Tensor | None]] = []
-        self._start = next_sequence_nr()
+
+    def _enter(self, tensor: torch.Tensor) -> None:
+        self._entries[id(tensor)] = tensor
+        if tensor.grad_fn is not None:
+            self._entries[id(tensor.grad_fn)] = tensor.grad_fn
 
     def saved(self, index: int, tensor: torch.Tensor) -> None:
         """Recomputation saved ``tensor`` at position ``index``: note what it was read from."""
@@ -131,14 +342,18 @@ class RecomputedReads:
             # The tensor, not its node: on torch 2.11 a custom Function's node object does not
             # keep its graph alive, and asking it anything once the graph died raises.
             self._roots.append(tensor)
-        ref = self._expected.get(index)
-        if ref is None:
+        saved = self._expected.get(index)
+        if saved is None:
             return
         base = tensor if tensor._base is None else tensor._base
-        if base is not ref() and id(base) not in self._inputs:
-            self._mismatches.append(
-                (f"the tensor saved at position {index}", weakref.ref(base), ref())
-            )
+        before = saved.tensor()
+        if base is before or id(base) in self._entries:
+            return
+        if saved.by_value and before is not None and _equal(base, before):
+            return  # made again by recomputation (a mask built each call): the same values
+        self._mismatches.append(
+            (f"the tensor saved at position {index}", weakref.ref(base), before)
+        )
 
     def check(self) -> None:
         """After the recomputation: raise if it read a tensor the forward pass did not.
@@ -156,38 +371,32 @@ class RecomputedReads:
             if now is not None:  # alive: held from outside, so read from outside
                 raise SavedTensorModifiedError(replaced_message(what, now, before))
 
-    def _unknown_leaves(self) -> list[tuple[str, weakref.ref[torch.Tensor], None]]:
+    def _unknown_leaves(self) -> Iterator[tuple[str, weakref.ref[torch.Tensor], None]]:
         """The leaves of recomputation's graph the forward pass did not read, held weakly."""
-        return [
-            ("a tensor requiring grad", weakref.ref(leaf), None)
-            for leaf in graph_leaves([root.grad_fn for root in self._roots], self._start)
-            if self._known.get(id(leaf)) is not leaf and id(leaf) not in self._inputs
+        known, entries = self._known, self._entries
+        stack: list[Node] = [
+            node
+            for root in self._roots
+            if (node := root.grad_fn) is not None and id(node) not in entries
         ]
+        seen: dict[int, Node] = {id(node): node for node in stack}
+        while stack:
+            for following, _ in stack.pop().next_functions:
+                if following is None or id(following) in seen or id(following) in entries:
+                    continue
+                seen[id(following)] = following
+                if type(following) is not _ACCUMULATE_GRAD:
+                    stack.append(following)
+                    continue
+                leaf = _leaf_of(following)
+                record = known.get(id(leaf))
+                if (record is None or record.tensor is not leaf) and id(leaf) not in entries:
+                    yield ("a tensor requiring grad", weakref.ref(leaf), None)
 
 
-def replaced_message(what: str, now: torch.Tensor, before: torch.Tensor | None) -> str:
-    """The error for a tensor read in recomputation in place of the one the forward pass read."""
-    was = "" if before is None else f" where the forward pass read {describe(before)}"
-    return (
-        "tensorhooks.checkpoint: recomputation read a different tensor than the forward pass: "
-        f"{what} came from {describe(now)}{was}, so the recomputed values, and the gradient, "
-        "would differ from plain autograd's. Something the checkpointed function reads from "
-        "outside its arguments was replaced between the forward pass and backward "
-        "(module.weight = nn.Parameter(...), a reassigned buffer or closure variable, a module "
-        "swapped in a dict or a global). Replace it after backward, or pass it to checkpoint "
-        "as an argument."
-    )
-
-
-def not_written_message(name: str) -> str:
-    """The error for a watched tensor whose storage was swapped (``.data = ...``)."""
-    return (
-        f"tensorhooks.checkpoint: the data of {name}, which the checkpointed function reads "
-        "from outside its arguments, was replaced between the forward pass and backward "
-        "(tensor.data = ..., or set_ under no_grad), so recomputation would read other values "
-        "than the forward pass did. Replace it after backward, or pass it to checkpoint as an "
-        "argument."
-    )
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    with below_python_modes():
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
 
 
 _installed = threading.Lock()

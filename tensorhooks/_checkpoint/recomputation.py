@@ -17,7 +17,9 @@ from torch.utils.checkpoint import CheckpointError
 
 from tensorhooks._core.errors import SavedTensorModifiedError
 from tensorhooks._core.guards import (
+    PackHook,
     SavedCopy,
+    UnpackHook,
     current_save_guard,
     modified_message,
     register_protected_pack_hook,
@@ -26,14 +28,17 @@ from tensorhooks._core.store import graph_task_store
 from tensorhooks._core.torch_compat import (
     below_python_modes,
     current_graph_task_id,
+    next_sequence_nr,
     pop_saved_tensors_hooks,
     push_saved_tensors_hooks,
+    storage_key,
 )
 
 from .arguments import Arguments
-from .reads import RecomputedReads
+from .reads import GraphReads, RecomputedReads, describe, tensors_in
 from .replay import RegionState
-from .state import OutsideState, Substitution
+from .state import CallWatch, ReachedState, Rebinding
+from .substitution import Substitution
 
 __all__ = ["DETERMINISM_CHECKS", "Frame", "is_recomputing", "raise_changed_input", "unpack_holder"]
 
@@ -167,9 +172,9 @@ class _Recomputation:
     def __init__(self) -> None:
         self.tensors: dict[int, torch.Tensor] = {}
         self.kept: list[tuple[torch.Tensor, int]] = []
-        # What recomputation reads instead of tensors from elsewhere (see state.py).
+        # What recomputation reads instead of tensors from elsewhere (see substitution.py).
         self.substitution: Substitution | None = None
-        self.reads: RecomputedReads | None = None  # checked against the forward pass's (state.py)
+        self.reads: RecomputedReads | None = None  # checked against the forward pass's (reads.py)
         self.count = 0
         self.done = False
         self.ignore_mismatch = False
@@ -196,16 +201,20 @@ class Frame:
         "early_stop",
         "error_cb",
         "forward_completed",
+        "graph",
         "holders",
         "inputs",
         "key",
         "metadata",
         "metadata_fn",
-        "outside",
+        "pair",
+        "reached",
         "recompute_context",
         "region",
         "run",
         "saved",
+        "start",
+        "watch",
     )
 
     def __init__(
@@ -228,7 +237,13 @@ class Frame:
         self.metadata: list[Any] = []
         # During the forward pass only: each saved tensor, weakly, and its version when saved.
         self.saved: list[tuple[weakref.ref[torch.Tensor], int]] = []
-        self.outside: OutsideState | None = None
+        # What the forward pass read from outside its arguments (reads.py, state.py): watched
+        # while it runs, recorded when it ends.
+        self.watch: CallWatch | None = None
+        self.graph: GraphReads | None = None
+        self.reached: ReachedState | None = None
+        self.pair: tuple[PackHook, UnpackHook] | None = None  # allow_mutation's, inside it
+        self.start = 0  # the calling thread's node counter when the forward pass started
         self.inputs: Callable[[], list[torch.Tensor]] = list
         self.arguments = Arguments((), {}, [])
         self.forward_completed = False
@@ -243,41 +258,95 @@ class Frame:
         holder = _Holder(self, len(self.holders))
         self.holders.append(weakref.ref(holder))
         self.metadata.append(self.metadata_fn(tensor))
-        self.saved.append((weakref.ref(tensor), tensor._version))
+        # The base of a view (``weight.t()`` dies with the forward pass; ``weight`` does not).
+        base = tensor._base
+        self.saved.append((weakref.ref(tensor if base is None else base), tensor._version))
         return holder
 
-    def seal(self, output: object) -> None:
-        """At the end of the forward pass: note what it wrote and the saved tensors outliving it."""
+    def begin(
+        self,
+        function: Callable[..., Any],
+        tensors: list[torch.Tensor],
+        pair: tuple[PackHook, UnpackHook] | None,
+    ) -> None:
+        """The forward pass starts: watch what it reaches (NOTE [State a region reaches])."""
+        self.pair = pair
+        self.graph = GraphReads(tensors)
+        self.watch = CallWatch(function, pair)
+        self.start = next_sequence_nr()
+
+    def abandon(self) -> None:
+        """The forward pass raised: stop watching."""
+        if self.watch is not None:
+            self.watch.stop()
+            self.watch = None
+
+    def seal(self, output: object, tensors: list[torch.Tensor]) -> None:
+        """At the end of the forward pass: record what it read (NOTE [What a region read])."""
         self.forward_completed = True
-        if self.outside is not None:
-            alive = [
-                (index, tensor, version)
-                for index, (ref, version) in enumerate(self.saved)
-                if (tensor := ref()) is not None
-            ]
-            self.outside.seal(alive, output)
+        graph = self.graph
+        assert graph is not None
+        assert self.watch is not None
+        outputs = tensors_in(output)
+        graph.walk(outputs, self.start, next_sequence_nr())
+        inputs = [weakref.ref(tensor) for tensor in tensors]
+        self.reached = self.watch.seal(functools.partial(_storages, inputs))
+        self.watch = None
+        returned = {id(tensor) for tensor in outputs}
+        for index, (ref, version) in enumerate(self.saved):
+            base = ref()
+            if base is not None:
+                graph.note_saved(index, base, version, returned)
         self.saved = []
+        graph.watch(self.pair)
 
     def recompute(self, state: _Recomputation) -> None:
         """Run the region again, keeping its saved tensors in ``state``; check them."""
         inputs = self.inputs()  # an argument changed in place raises here, first
-        # See NOTE [Tensors a region reaches outside its arguments] in state.py.
-        state.substitution = None if self.outside is None else self.outside.substitution()
-        self._run_again(state, inputs)
+        reached, graph = self.reached, self.graph
+        values, verify = ([], []) if reached is None else reached.values()
+        if graph is not None:
+            namer = describe if reached is None else reached.name_of
+            substituted = {id(tensor) for tensor, _ in values}
+            values.extend(
+                item for item in graph.values(self.pair, namer) if id(item[0]) not in substituted
+            )
+            graph.check_saved({id(tensor) for tensor, _ in values}, namer)
+        state.substitution = Substitution(values) if values else None
+        rebindings = [] if self.reached is None else self.reached.rebindings()
+        self._run_again(state, inputs, rebindings, full=bool(verify))
         if state.changed_in_place():
             # See NOTE [Checkpointing on saved-tensor hooks], "In-place writes".
             self.clone_saves = True
             state.reset()
-            self._run_again(state, self.inputs())
+            self._run_again(state, self.inputs(), rebindings, full=bool(verify))
         state.kept.clear()
+        self._verify(state.substitution, verify)
         state.substitution = None
+        if self.graph is not None:
+            self.graph.recomputed()
         self._check(state)
 
-    def _run_again(self, state: _Recomputation, inputs: list[torch.Tensor]) -> None:
+    def _verify(self, substitution: Substitution | None, written: list[torch.Tensor]) -> None:
+        """State written with no copy of its value before: recomputation must give it again."""
+        for tensor in written:
+            assert substitution is not None
+            assert self.reached is not None
+            if not substitution.reproduced(tensor):
+                raise self.reached.not_reproduced(tensor)
+
+    def _run_again(
+        self,
+        state: _Recomputation,
+        inputs: list[torch.Tensor],
+        rebindings: list[Rebinding],
+        *,
+        full: bool,
+    ) -> None:
         tensors, windows = self.arguments.as_called(inputs, writable=self.clone_inputs)
         args, kwargs = self.arguments.rebuild(tensors)
         pack, unpack = current_save_guard().wrap(
-            functools.partial(_keep_recomputed, self, state), _identity
+            functools.partial(_keep_recomputed, self, state, not full), _identity
         )
         register_protected_pack_hook(pack)
         push_saved_tensors_hooks(pack, unpack)
@@ -285,7 +354,9 @@ class Frame:
             contextlib.nullcontext() if state.substitution is None else state.substitution.mode()
         )
         guard = contextlib.nullcontext() if windows is None else windows.mode()
-        state.reads = None if self.outside is None else self.outside.reads(tensors)
+        state.reads = None if self.graph is None else RecomputedReads(self.graph, tensors)
+        for rebinding in rebindings:
+            rebinding.apply()
         _recomputing.depth += 1
         try:
             with (
@@ -301,11 +372,13 @@ class Frame:
         finally:
             _recomputing.depth -= 1
             pop_saved_tensors_hooks()
+            for rebinding in reversed(rebindings):
+                rebinding.undo()
             if state.substitution is not None:
                 state.substitution.restore_versions()
         if state.reads is not None:
             reads, state.reads = state.reads, None
-            reads.check()  # See NOTE [Reads recorded as the region runs] in reads.py
+            reads.check()  # See NOTE [What a region read] in reads.py
 
     def _check(self, state: _Recomputation) -> None:
         if state.ignore_mismatch:
@@ -337,7 +410,9 @@ def _identity(value: Any) -> Any:
     return value
 
 
-def _keep_recomputed(frame: Frame, state: _Recomputation, tensor: torch.Tensor) -> torch.Tensor:
+def _keep_recomputed(
+    frame: Frame, state: _Recomputation, stop: bool, tensor: torch.Tensor
+) -> torch.Tensor:
     """The recomputation's pack hook: keep the tensor saved at this position for backward."""
     index = state.count
     state.count = index + 1
@@ -361,7 +436,7 @@ def _keep_recomputed(frame: Frame, state: _Recomputation, tensor: torch.Tensor) 
     if frame.holders[index]() is not None:  # else its node was already released
         state.tensors[index] = kept
         state.kept.append((kept, kept._version))
-    if frame.early_stop and index + 1 == total:
+    if stop and frame.early_stop and index + 1 == total:
         raise _StopRecomputation
     return kept
 
@@ -424,3 +499,8 @@ def raise_changed_input(tensor: torch.Tensor, version: int) -> Callable[[], list
         )
 
     return inputs
+
+
+def _storages(inputs: list[weakref.ref[torch.Tensor]]) -> set[int | None]:
+    """The storages of a region's inputs (read only where a written tensor needs it)."""
+    return {storage_key(tensor) for ref in inputs if (tensor := ref()) is not None}

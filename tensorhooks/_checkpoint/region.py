@@ -28,9 +28,9 @@ from tensorhooks._core.torch_compat import (
 
 from .arguments import Arguments, save_inputs
 from .policies import SelectiveForward, adopt_contexts
+from .reads import watch_optimizer_steps
 from .recomputation import DETERMINISM_CHECKS, Frame, raise_changed_input, unpack_holder
 from .replay import RegionState, device_initialized
-from .state import OutsideState
 
 __all__ = ["checkpoint", "end_region", "noop_context_fn", "region_steps"]
 
@@ -50,6 +50,18 @@ REENTRANT_UNSET = (
     "torch.utils.checkpoint asks. tensorhooks runs the non-reentrant variant either way, where "
     "torch runs the reentrant one when use_reentrant is left out; pass use_reentrant=False."
 )
+
+
+# torch's words, and its type (a RuntimeError), for a forward context that swallowed an exception.
+_SUPPRESSED = (
+    "tensorhooks.checkpoint: the forward context provided by context_fn suppressed an exception "
+    "raised during the checkpointed forward. This is not supported because checkpoint cannot "
+    "return a value for a failed forward: let the exception through the context."
+)
+
+
+def _identity(value: Any) -> Any:
+    return value
 
 
 def noop_context_fn() -> tuple[contextlib.AbstractContextManager[None], ...]:
@@ -337,6 +349,7 @@ def region_steps(
             context_fn, error_cb = tools
     if not torch.is_grad_enabled():
         return None
+    watch_optimizer_steps()
     return _run_region(
         function,
         args,
@@ -380,23 +393,32 @@ def _run_region(  # See region_steps
     unhooked = top_saved_tensors_hooks() is None
     frame.inputs = save_inputs(tensors)
     frame.arguments = arguments
-    frame.outside = OutsideState(function, tensors)
     versions = [tensor._version for tensor in tensors]
     offload: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if isinstance(forward_context, SelectiveForward):
         offload = forward_context.offload_context()
         if respect_hooks:
             forward_context.save_through(top_saved_tensors_hooks())
-    pack, unpack = current_save_guard().wrap(frame.pack, unpack_holder)
+    guard = current_save_guard()
+    pack, unpack = guard.wrap(frame.pack, unpack_holder)
     register_protected_pack_hook(pack)
+    # Inside allow_mutation_on_saved_tensors, what the region reads is kept by the context.
+    pair = guard.wrap(_identity, _identity) if guard.lets_saved_tensors_change else None
+    returned = False
     with offload:
         push_saved_tensors_hooks(pack, unpack)
         try:
+            frame.begin(function, tensors, pair)
             with forward_context:
                 output = yield
+                returned = True
         finally:
+            if not returned:
+                frame.abandon()
             pop_saved_tensors_hooks()
-    frame.seal(output)
+    if not returned:  # the forward context swallowed the function's exception
+        raise RuntimeError(_SUPPRESSED)
+    frame.seal(output, tensors)
     changed = [
         (tensor, version)
         for tensor, version in zip(tensors, versions, strict=True)
