@@ -136,20 +136,16 @@ _Namer = Callable[[torch.Tensor], str]
 
 
 class _Saved:
-    """A tensor from outside the region saved at one position: held (or weakly), its version."""
+    """A tensor from outside the region saved at one position, held as a node holds it."""
 
-    __slots__ = ("by_value", "held", "version")
+    __slots__ = ("by_value", "storage", "swaps", "tensor", "version")
 
-    def __init__(
-        self, held: torch.Tensor | weakref.ref[torch.Tensor], version: int, *, by_value: bool
-    ) -> None:
-        self.held = held
-        self.version = version
+    def __init__(self, tensor: torch.Tensor, version: int, *, by_value: bool) -> None:
+        self.tensor = tensor
+        self.version = version  # when saved
         self.by_value = by_value  # requires no grad: an equal tensor in its place will do
-
-    def tensor(self) -> torch.Tensor | None:
-        held = self.held
-        return held if isinstance(held, torch.Tensor) else held()
+        self.storage = storage_key(tensor)  # ``tensor.data = ...`` swaps it, moving no version
+        self.swaps = moves(tensor)
 
 
 class GraphReads:
@@ -158,7 +154,16 @@ class GraphReads:
     See NOTE [What a region read].
     """
 
-    __slots__ = ("inputs", "leaves", "outer", "positions", "written_after_save")
+    __slots__ = (
+        "handles",
+        "inputs",
+        "leaves",
+        "outer",
+        "positions",
+        "written_after_save",
+        "written_arguments",
+        "written_inputs",
+    )
 
     def __init__(self, inputs: Sequence[torch.Tensor]) -> None:
         # Where the region's graph starts from its inputs, read when the call starts: each
@@ -178,6 +183,20 @@ class GraphReads:
         self.positions: dict[int, _Saved] = {}
         # Leaves the region saved and then changed in place: plain autograd raises at backward.
         self.written_after_save: list[tuple[torch.Tensor, int]] = []
+        # Inside allow_mutation_on_saved_tensors: what the context keeps of each tensor watched.
+        self.handles: list[tuple[torch.Tensor, Any]] = []
+        # The storages of the inputs the region wrote, with their versions at the call.
+        self.written_inputs: dict[int | None, int] = {}
+        self.written_arguments: set[int] = set()
+
+    def inputs_written(self, changed: list[tuple[torch.Tensor, int]]) -> None:
+        """The forward pass wrote these inputs in place.
+
+        A leaf on their storage that the function also reads otherwise than through them (a
+        weight whose row it was given) saw two values, which recomputation cannot give both.
+        """
+        self.written_inputs = {storage_key(tensor): version for tensor, version in changed}
+        self.written_arguments = {id(tensor) for tensor, _ in changed}
 
     def walk(self, outputs: list[torch.Tensor], start: int, end: int) -> None:
         """At the end of the forward pass: record where its graph enters the region."""
@@ -195,9 +214,9 @@ class GraphReads:
                     continue
                 seen[id(following)] = following
                 if type(following) is _ACCUMULATE_GRAD:
+                    # An input that is a leaf too: the function may also read it by name.
                     leaf = _leaf_of(following)
-                    if id(leaf) not in inputs:
-                        leaves[id(leaf)] = _Leaf(leaf)
+                    leaves[id(leaf)] = _Leaf(leaf)
                 elif id(following) in inputs:
                     continue
                 elif start <= sequence_nr(following) < end:
@@ -208,65 +227,79 @@ class GraphReads:
     def note_saved(self, index: int, base: torch.Tensor, version: int, outputs: set[int]) -> None:
         """The forward pass saved ``base`` (at ``version``) at ``index``: note it if from outside.
 
-        A leaf is held weakly (the graph holds it); an older activation, or a tensor requiring
-        no grad that is neither an input nor an output, is held as a node would hold it: it
-        outlived the forward pass, so something outside the region holds it too.
+        What outlived the forward pass and the region did not make (a leaf, an older activation
+        or an input, or a tensor requiring no grad that the region did not return) is held, as
+        the node that saved it would hold it in plain autograd.
         """
         key = id(base)
         if key in self.leaves:
-            self.positions[index] = _Saved(weakref.ref(base), version, by_value=False)
+            self.positions[index] = _Saved(base, version, by_value=False)
             if base._version != version:
                 self.written_after_save.append((base, version))
-        elif key in self.inputs or key in outputs:
+        elif key in outputs:
             return
         elif base.requires_grad:
             node = base.grad_fn
-            if node is not None and id(node) in self.outer:
+            if node is not None and (id(node) in self.outer or id(node) in self.inputs):
                 self.positions[index] = _Saved(base, version, by_value=False)
         else:
             self.positions[index] = _Saved(base, version, by_value=True)
 
-    def check_saved(self, substituted: set[int], namer: _Namer) -> None:
-        """Before recomputation: a tensor saved from outside must be as it was when saved.
-
-        Raises:
-            SavedTensorModifiedError: if one was changed in place since (plain autograd, which
-                holds what it saved, raises too), unless recomputation reads a kept value.
-        """
-        for saved in self.positions.values():
-            tensor = saved.tensor()
-            if tensor is None or tensor._version == saved.version or id(tensor) in substituted:
-                continue
-            if id(tensor) in self.leaves and tensor._version == self.leaves[id(tensor)].version:
-                continue  # the region wrote it after saving it: written_after_save says so
-            raise SavedTensorModifiedError(
-                modified_message(tensor.type(), list(tensor.shape), tensor._version, saved.version)
-                + f" Hint: the checkpointed function saved {namer(tensor)}, which it reads from "
-                "outside its arguments, and it was changed in place since, so recomputation "
-                "would read the changed value. Change it after backward, pass it to checkpoint "
-                "as an argument, or run the forward pass and backward inside "
-                "tensorhooks.allow_mutation_on_saved_tensors() (which keeps its value)."
-            )
+    def _watched(self) -> dict[int, torch.Tensor]:
+        watched = {key: leaf.tensor for key, leaf in self.leaves.items()}
+        watched.update((id(saved.tensor), saved.tensor) for saved in self.positions.values())
+        return watched
 
     def watch(self, pair: tuple[PackHook, UnpackHook] | None) -> None:
-        """Inside ``allow_mutation_on_saved_tensors``: let the context keep each leaf's value."""
+        """Inside ``allow_mutation_on_saved_tensors``: let the context keep what was read."""
         if pair is None:
             return
         with below_python_modes():
-            for leaf in self.leaves.values():
-                leaf.handle = pair[0](tracked_form(leaf.tensor))
+            self.handles = [
+                (tensor, pair[0](tracked_form(tensor))) for tensor in self._watched().values()
+            ]
 
     def values(
-        self, pair: tuple[PackHook, UnpackHook] | None, namer: _Namer
+        self,
+        pair: tuple[PackHook, UnpackHook] | None,
+        namer: _Namer,
+        found: Callable[[torch.Tensor], str | None],
     ) -> list[tuple[torch.Tensor, Any]]:
-        """Before recomputation: the leaves it must read in place of their present value.
+        """Before recomputation: the tensors it must read in place of their present value.
 
         Raises:
             SavedTensorModifiedError: if a leaf was changed in place, or its data swapped, since
                 the forward pass (outside ``allow_mutation_on_saved_tensors``).
         """
-        found = []
-        if pair is None and self.written_after_save:
+        for leaf in self.leaves.values():
+            tensor = leaf.tensor
+            if storage_key(tensor) != leaf.storage and moves(tensor) == leaf.swaps:
+                raise SavedTensorModifiedError(not_written_message(namer(tensor)))
+            if (
+                leaf.storage in self.written_inputs
+                and id(tensor) not in self.written_arguments
+                and found(tensor) is not None
+            ):
+                raise SavedTensorModifiedError(
+                    modified_message(
+                        tensor.type(),
+                        list(tensor.shape),
+                        tensor._version,
+                        self.written_inputs[leaf.storage],
+                    )
+                    + f" Hint: the checkpointed function writes an argument in place that shares "
+                    f"its storage with {namer(tensor)}, which it also reads from outside its "
+                    "arguments, so recomputation cannot read what the forward pass read. Pass "
+                    f"{namer(tensor)} itself as the argument, or write to a copy of the argument."
+                )
+        if pair is not None:
+            kept = []
+            for tensor, handle in self.handles:
+                value = pair[1](handle)
+                if storage_key(value) != storage_key(tensor):
+                    kept.append((tensor, value))
+            return kept
+        if self.written_after_save:
             tensor, version = self.written_after_save[0]
             raise SavedTensorModifiedError(
                 modified_message(tensor.type(), list(tensor.shape), tensor._version, version)
@@ -277,14 +310,6 @@ class GraphReads:
             )
         for leaf in self.leaves.values():
             tensor = leaf.tensor
-            if leaf.handle is not None:
-                assert pair is not None
-                value = pair[1](leaf.handle)
-                if storage_key(value) != storage_key(tensor):
-                    found.append((tensor, value))
-                continue
-            if storage_key(tensor) != leaf.storage and moves(tensor) == leaf.swaps:
-                raise SavedTensorModifiedError(not_written_message(namer(tensor)))
             if tensor._version != leaf.version:
                 raise SavedTensorModifiedError(
                     modified_message(
@@ -296,7 +321,31 @@ class GraphReads:
                     "it to checkpoint as an argument, or run the forward pass and backward inside "
                     "tensorhooks.allow_mutation_on_saved_tensors() (which keeps its value)."
                 )
-        return found
+        return []
+
+    def check_saved(self, substituted: set[int | None], namer: _Namer) -> None:
+        """Before recomputation: a tensor saved from outside must be as it was when saved.
+
+        Raises:
+            SavedTensorModifiedError: if one was changed in place since (plain autograd, which
+                holds what it saved, raises too), unless recomputation reads a kept value.
+        """
+        for saved in self.positions.values():
+            tensor = saved.tensor
+            if storage_key(tensor) != saved.storage and moves(tensor) == saved.swaps:
+                raise SavedTensorModifiedError(not_written_message(namer(tensor)))
+            if tensor._version == saved.version or storage_key(tensor) in substituted:
+                continue
+            if id(tensor) in self.leaves:
+                continue  # checked as a leaf (and, written after saving, as such)
+            raise SavedTensorModifiedError(
+                modified_message(tensor.type(), list(tensor.shape), tensor._version, saved.version)
+                + f" Hint: the checkpointed function saved {namer(tensor)}, which it reads from "
+                "outside its arguments, and it was changed in place since, so recomputation "
+                "would read the changed value. Change it after backward, pass it to checkpoint "
+                "as an argument, or run the forward pass and backward inside "
+                "tensorhooks.allow_mutation_on_saved_tensors() (which keeps its value)."
+            )
 
     def recomputed(self) -> None:
         """After a recomputation: its own writes to the leaves (a renormalisation) are its own."""
@@ -346,10 +395,15 @@ class RecomputedReads:
         if saved is None:
             return
         base = tensor if tensor._base is None else tensor._base
-        before = saved.tensor()
-        if base is before or id(base) in self._entries:
+        before = saved.tensor
+        if id(base) in self._entries:
             return
-        if saved.by_value and before is not None and _equal(base, before):
+        if base is before:
+            # ``view.data = ...`` on a view between the two leaves its base as it was: the
+            # storage the recomputation read tells.
+            if not saved.by_value or storage_key(tensor) == saved.storage:
+                return
+        elif saved.by_value and _equal(base, before):
             return  # made again by recomputation (a mask built each call): the same values
         self._mismatches.append(
             (f"the tensor saved at position {index}", weakref.ref(base), before)

@@ -287,6 +287,10 @@ class Frame:
         graph = self.graph
         assert graph is not None
         assert self.watch is not None
+        if not self.holders:  # nothing saved: never recomputed, nothing to hold it to
+            self.abandon()
+            self.graph = None
+            return
         outputs = tensors_in(output)
         graph.walk(outputs, self.start, next_sequence_nr())
         inputs = [weakref.ref(tensor) for tensor in tensors]
@@ -306,12 +310,17 @@ class Frame:
         reached, graph = self.reached, self.graph
         values, verify = ([], []) if reached is None else reached.values()
         if graph is not None:
-            namer = describe if reached is None else reached.name_of
-            substituted = {id(tensor) for tensor, _ in values}
-            values.extend(
-                item for item in graph.values(self.pair, namer) if id(item[0]) not in substituted
+            namer, found = (
+                (describe, _nowhere) if reached is None else (reached.name_of, reached.found)
             )
-            graph.check_saved({id(tensor) for tensor, _ in values}, namer)
+            # One stand-in per storage: the value at the call (state.py) over the one after it.
+            substituted = {storage_key(tensor) for tensor, _ in values}
+            values.extend(
+                item
+                for item in graph.values(self.pair, namer, found)
+                if storage_key(item[0]) not in substituted
+            )
+            graph.check_saved({storage_key(tensor) for tensor, _ in values}, namer)
         state.substitution = Substitution(values) if values else None
         rebindings = [] if self.reached is None else self.reached.rebindings()
         self._run_again(state, inputs, rebindings, full=bool(verify))
@@ -426,14 +435,16 @@ def _keep_recomputed(
             f"the forward pass ({total}). The checkpointed function must run the same ops both "
             "times."
         )
-    if state.reads is not None:
-        state.reads.saved(index, tensor)
     kept = tensor.detach() if tensor.requires_grad else tensor
-    if state.substitution is not None:
-        kept = state.substitution.saved(kept)
-    if frame.clone_saves:
-        kept = _clone_below_modes(kept)
-    if frame.holders[index]() is not None:  # else its node was already released
+    # A position whose holder died belongs to a node already released (a branch the region's
+    # outputs do not depend on): neither what it read nor its value matters to the gradient.
+    if frame.holders[index]() is not None:
+        if state.reads is not None:
+            state.reads.saved(index, tensor)
+        if state.substitution is not None:
+            kept = state.substitution.saved(kept)
+        if frame.clone_saves:
+            kept = _clone_below_modes(kept)
         state.tensors[index] = kept
         state.kept.append((kept, kept._version))
     if stop and frame.early_stop and index + 1 == total:
@@ -499,6 +510,10 @@ def raise_changed_input(tensor: torch.Tensor, version: int) -> Callable[[], list
         )
 
     return inputs
+
+
+def _nowhere(tensor: torch.Tensor) -> None:
+    return None
 
 
 def _storages(inputs: list[weakref.ref[torch.Tensor]]) -> set[int | None]:

@@ -425,6 +425,8 @@ def _run_region(  # See region_steps
         if tensor._version != version
     ]
     frame.clone_inputs = bool(changed)
+    if changed and frame.graph is not None:
+        frame.graph.inputs_written(changed)
     if changed and unhooked:  # See NOTE [Checkpointing on saved-tensor hooks], "A cycle"
         frame.inputs = raise_changed_input(*changed[0])
     if preserve_rng_state and not had_device and device_initialized(region.device_type):

@@ -5,6 +5,7 @@ See NOTE [State a region reaches].
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import types
@@ -123,12 +124,22 @@ _known = _Known()
 class _Read:
     """A tensor requiring no grad that the region reached, with what is known of its value."""
 
-    __slots__ = ("before", "handle", "name", "storage", "swaps", "tensor", "version", "written")
+    __slots__ = (
+        "at_call",
+        "before",
+        "handle",
+        "name",
+        "storage",
+        "swaps",
+        "tensor",
+        "version",
+        "written",
+    )
 
     def __init__(self, name: Callable[[], str], tensor: torch.Tensor, hidden: bool) -> None:
         self.name = name
         self.tensor = tensor
-        self.version = tensor._version
+        self.at_call = self.version = tensor._version
         self.written = hidden  # batch norm's running statistics: written, whatever the version
         self.before: torch.Tensor | None = None  # its value at the call, where copied
         self.handle: Any = None  # what allow_mutation_on_saved_tensors kept of it
@@ -176,28 +187,40 @@ def _same(a: object, b: object) -> bool:
 
 
 class Rebinding:
-    """One key to bind as it was at the call while recomputation runs, then put back."""
+    """One binding to set as it was at the call while recomputation runs, then put back."""
 
-    __slots__ = ("at_call", "key", "live", "now")
+    __slots__ = ("at_call", "how", "key", "live", "now")
 
-    def __init__(self, live: dict[str, Any], key: str, at_call: object, now: object) -> None:
-        self.live = live
+    def __init__(
+        self, live: Any, key: Any, at_call: object, now: object, *, how: str = "item"
+    ) -> None:
+        self.live = live  # a dict, a list, a closure cell, or a class
         self.key = key
         self.at_call = at_call
         self.now = now
+        self.how = how
 
     def apply(self) -> None:
-        _bind(self.live, self.key, self.at_call)
+        self._bind(self.at_call)
 
     def undo(self) -> None:
-        _bind(self.live, self.key, self.now)
+        self._bind(self.now)
 
-
-def _bind(live: dict[str, Any], key: str, value: object) -> None:
-    if value is _MISSING:
-        live.pop(key, None)
-    else:
-        live[key] = value
+    def _bind(self, value: object) -> None:
+        live, key = self.live, self.key
+        if self.how == "cell":
+            live.cell_contents = value
+        elif self.how == "attribute":
+            if value is _MISSING:
+                with contextlib.suppress(AttributeError):
+                    delattr(live, key)
+            else:
+                setattr(live, key, value)
+        elif value is _MISSING:
+            if isinstance(live, dict):
+                live.pop(key, None)
+        else:
+            live[key] = value
 
 
 class _Called:
@@ -238,7 +261,7 @@ def _module_name(module: torch.nn.Module) -> str:
 
 
 def _tensors_of(module: torch.nn.Module) -> Iterator[tuple[Callable[[], str], torch.Tensor, bool]]:
-    """The tensors requiring no grad a module holds: buffers, attributes, its class's."""
+    """The tensors requiring no grad a module holds: its buffers and tensor attributes."""
     kind = type(module)
     hidden = isinstance(module, _NormBase) and module.training and module.track_running_stats
     for key, buffer in module._buffers.items():
@@ -247,45 +270,46 @@ def _tensors_of(module: torch.nn.Module) -> Iterator[tuple[Callable[[], str], to
     for key, value in module.__dict__.items():
         if isinstance(value, torch.Tensor) and not value.requires_grad:
             yield _attribute_name(kind, key), value, False
-    for name, value in _class_tensors(kind):
-        yield name, value, False
 
 
 def _attribute_name(kind: type, key: str) -> Callable[[], str]:
     return functools.partial(str.format, "{}.{}", kind.__name__, key)
 
 
-def _class_tensors(kind: type) -> list[tuple[Callable[[], str], torch.Tensor]]:
-    """Tensors a module's class holds: class attributes, and its forward's closure."""
-    places = _CLASS_PLACES.get(kind)
+_CLASS_SLOTS: weakref.WeakKeyDictionary[type, list[tuple[str, str, Any, Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _class_slots(kind: type) -> list[_Slot]:
+    """Where a module's class keeps state of its own: class attributes, its forward's names.
+
+    Found once per class (torch's own classes keep none); read at every call.
+    """
+    places = _CLASS_SLOTS.get(kind)
     if places is None:
-        places = _CLASS_PLACES[kind] = _find_class_places(kind)
-    found = []
-    for name, read in places:
-        value = read()
-        if isinstance(value, torch.Tensor) and not value.requires_grad:
-            found.append((name, value))
-    return found
+        places = _CLASS_SLOTS[kind] = _find_class_places(kind)
+    return [_Slot(*place) for place in places]
 
 
-_CLASS_PLACES: dict[type, list[tuple[Callable[[], str], Callable[[], Any]]]] = {}
-
-
-def _find_class_places(kind: type) -> list[tuple[Callable[[], str], Callable[[], Any]]]:
-    """Where a module class keeps tensors of its own, found once per class."""
-    places: list[tuple[Callable[[], str], Callable[[], Any]]] = []
+def _find_class_places(kind: type) -> list[tuple[str, str, Any, Any]]:
+    places: list[tuple[str, str, Any, Any]] = []
+    if kind.__module__.startswith("torch."):
+        return places
     for klass in kind.__mro__:
         if klass.__module__.startswith("torch."):
             continue
         for key, value in vars(klass).items():
             if isinstance(value, torch.Tensor):
-                places.append((_attribute_name(klass, key), functools.partial(getattr, klass, key)))
+                places.append((f"{klass.__name__}.{key}", "attribute", klass, key))
     forward = getattr(kind, "forward", None)
-    if isinstance(forward, types.FunctionType) and forward.__closure__:
-        names = forward.__code__.co_freevars
-        for name, cell in zip(names, forward.__closure__, strict=True):
-            label = functools.partial(str.format, "{}.forward's {}", kind.__name__, name)
-            places.append((label, functools.partial(_cell_value, cell)))
+    if isinstance(forward, types.FunctionType):
+        prefix = f"{kind.__name__}.forward's "
+        places.extend(
+            (prefix + slot.label, slot.kind, slot.holder, slot.key)
+            for slot in _function_slots(forward)
+            if slot.kind != "value"
+        )
     return places
 
 
@@ -312,38 +336,104 @@ def _cell_value(cell: types.CellType) -> object:
         return None
 
 
-def _function_places(function: Callable[..., Any]) -> Iterator[tuple[str, Any, Any]]:
-    """What a function reads by name: (label, holder, key) for closure cells and globals.
+class _Slot:
+    """A place a function reads by name, or a value it carries.
 
-    The holder is a cell (key None) or a dict (globals, key the name); each is rebindable.
+    A closure cell, a global, an item of a container there or an attribute of an object there;
+    or a default or a partial's argument, which cannot be rebound.
     """
+
+    __slots__ = ("at_call", "holder", "key", "kind", "label")
+
+    def __init__(self, label: str, kind: str, holder: Any, key: Any = None) -> None:
+        self.label = label
+        # "cell", "item" (of a dict, a list, an object's __dict__), "attribute" (of a class), or
+        # "value" (carried, not rebindable)
+        self.kind = kind
+        self.holder = holder
+        self.key = key
+        self.at_call = self.read()
+
+    def read(self) -> object:
+        kind, holder, key = self.kind, self.holder, self.key
+        if kind == "cell":
+            return _cell_value(holder)
+        if kind == "item":
+            if isinstance(holder, list):
+                return holder[key] if key < len(holder) else _MISSING
+            return holder.get(key, _MISSING)
+        if kind == "attribute":
+            return getattr(holder, key, _MISSING)
+        return holder
+
+    def rebinding(self) -> Rebinding | None:
+        """How to bind the slot as at the call, if it was rebound since."""
+        if self.kind == "value":
+            return None
+        now = self.read()
+        if now is self.at_call or (isinstance(self.holder, list) and now is _MISSING):
+            return None
+        return Rebinding(self.holder, self.key, self.at_call, now, how=self.kind)
+
+
+_MAX_ITEMS = 64  # items of one container the walk looks at: it runs on every call
+
+
+def _function_slots(function: Callable[..., Any]) -> Iterator[_Slot]:
+    """The places a function reads by name, and the values it carries; see NOTE [State...]."""
     if isinstance(function, functools.partial):
-        yield from _function_places(function.func)
+        for index, item in enumerate(function.args):
+            yield _Slot(f"partial argument {index}", "value", item)
+        for key, item in function.keywords.items():
+            yield _Slot(f"partial argument {key!r}", "value", item)
+        yield from _function_slots(function.func)
         return
-    code = getattr(function, "__code__", None)
-    if code is None or not isinstance(function, types.FunctionType):
+    if isinstance(function, types.MethodType):
+        yield _Slot("self", "value", function.__self__)
+        function = function.__func__
+    if not isinstance(function, types.FunctionType):
         return
+    code = function.__code__
     for name, cell in zip(code.co_freevars, function.__closure__ or (), strict=True):
-        yield name, cell, None
+        yield _Slot(name, "cell", cell)
     names = function.__globals__
     for name in code.co_names:
         if name in names:
-            yield name, names, name
+            yield _Slot(name, "item", names, name)
+    for index, item in enumerate(function.__defaults__ or ()):
+        yield _Slot(f"default {index}", "value", item)
 
 
-def _partial_values(function: Callable[..., Any]) -> Iterator[tuple[str, Any]]:
-    """Values a function carries: a partial's arguments, defaults, the self of a method."""
-    if isinstance(function, functools.partial):
-        for index, item in enumerate(function.args):
-            yield f"partial argument {index}", item
-        for key, item in function.keywords.items():
-            yield f"partial argument {key!r}", item
-        yield from _partial_values(function.func)
-    elif isinstance(function, types.MethodType):
-        yield "self", function.__self__
-    elif isinstance(function, types.FunctionType):
-        for index, item in enumerate(function.__defaults__ or ()):
-            yield f"default {index}", item
+def _items(slot: _Slot, value: object) -> Iterator[_Slot]:
+    """The slots one level inside a container or a plain object the function holds."""
+    label = slot.label
+    if isinstance(value, list):
+        for index in range(min(len(value), _MAX_ITEMS)):
+            yield _Slot(f"{label}[{index}]", "item", value, index)
+    elif isinstance(value, tuple):
+        for index, item in enumerate(value[:_MAX_ITEMS]):
+            yield _Slot(f"{label}[{index}]", "value", item)
+    elif isinstance(value, dict):
+        for key in list(value)[:_MAX_ITEMS]:
+            yield _Slot(f"{label}[{key!r}]", "item", value, key)
+    elif _is_plain_object(value):
+        attributes = vars(value)
+        for key in list(attributes)[:_MAX_ITEMS]:
+            yield _Slot(f"{label}.{key}", "item", attributes, key)
+
+
+_NOT_PLAIN = frozenset({"builtins", "typing", "abc", "functools"})
+
+
+def _is_plain_object(value: object) -> bool:
+    """Whether ``value`` is an instance of a user's class, whose attributes a function may read."""
+    kind = type(value)
+    return (
+        hasattr(value, "__dict__")
+        and kind.__module__ not in _NOT_PLAIN
+        and not kind.__module__.startswith("torch")
+        and not isinstance(value, (type, types.ModuleType, types.FunctionType, torch.nn.Module))
+    )
 
 
 class CallWatch:
@@ -355,24 +445,34 @@ class CallWatch:
         self._pair = pair  # allow_mutation_on_saved_tensors' pack and unpack, inside it
         self._called: dict[int, _Called] = {}
         self._reads: list[_Read] = []
-        self._cells: list[_Cell] = []
+        self._cells: list[_Slot] = []
         self._thread = threading.get_ident()
         self._slots(function)
         self._handle = nn_module.register_module_forward_pre_hook(self._on_call)
 
     def _slots(self, function: Callable[..., Any]) -> None:
-        for label, holder, key in _function_places(function):
-            cell = _Cell(label, holder, key)
-            value = cell.read()
-            if isinstance(value, _RESTORABLE):
-                self._cells.append(cell)
-            if isinstance(value, torch.Tensor) and not value.requires_grad:
-                self._read(functools.partial(str, label), value, hidden=False)
-        for label, value in _partial_values(function):
-            if isinstance(value, torch.nn.Module):
-                self._call(value)
-            elif isinstance(value, torch.Tensor) and not value.requires_grad:
-                self._read(functools.partial(str, label), value, hidden=False)
+        for slot in _function_slots(function):
+            self._slot(slot, depth=0)
+
+    def _slot(self, slot: _Slot, *, depth: int) -> None:
+        value = slot.at_call
+        if slot.kind != "value" and isinstance(value, _RESTORABLE):
+            self._cells.append(slot)
+        if isinstance(value, torch.Tensor):
+            # A leaf requiring grad is the graph's to watch (reads.py); an activation read by
+            # name is watched here, never copied (it is new at every step).
+            if not value.requires_grad or value.grad_fn is not None:
+                self._read(functools.partial(str, slot.label), value, hidden=False)
+        elif isinstance(value, torch.nn.Module):
+            # A module the function holds: recorded as if called, and its children too (an item
+            # of a ModuleDict, a child whose buffer it reads), not deeper: what it calls is
+            # recorded when called.
+            for module in (value, *list(value._modules.values())[:_MAX_ITEMS]):
+                if module is not None and id(module) not in self._called:
+                    self._call(module)
+        elif depth == 0:
+            for item in _items(slot, value):
+                self._slot(item, depth=1)
 
     def _on_call(self, module: torch.nn.Module, args: object) -> None:
         if threading.get_ident() == self._thread and id(module) not in self._called:
@@ -382,6 +482,8 @@ class CallWatch:
         self._called[id(module)] = _Called(module)
         for name, tensor, hidden in _tensors_of(module):
             self._read(name, tensor, hidden=hidden)
+        for slot in _class_slots(type(module)):
+            self._slot(slot, depth=0)
         if self._pair is not None:  # weights too: the context keeps their value at the call
             for key, parameter in module._parameters.items():
                 if parameter is not None:
@@ -390,7 +492,9 @@ class CallWatch:
     def _read(self, name: Callable[[], str], tensor: torch.Tensor, *, hidden: bool) -> None:
         read = _Read(name, tensor, hidden)
         if hidden or (
-            self._pair is None and (_known.first_reach(tensor) or _known.was_written(tensor))
+            self._pair is None
+            and not tensor.requires_grad
+            and (_known.first_reach(tensor) or _known.was_written(tensor))
         ):
             # Batch norm's kernels write without a version move the context could see.
             with below_python_modes(), torch.no_grad():
@@ -431,45 +535,6 @@ class CallWatch:
 skip_code_in_dynamo(CallWatch._on_call.__code__)  # runs under compiled modules too: keep eager
 
 
-class _Cell:
-    """A closure cell or a global the function reads by name, and what it held at the call."""
-
-    __slots__ = ("at_call", "holder", "key", "label")
-
-    def __init__(self, label: str, holder: Any, key: str | None) -> None:
-        self.label = label
-        self.holder = holder
-        self.key = key
-        self.at_call = self.read()
-
-    def read(self) -> object:
-        if self.key is None:
-            return _cell_value(self.holder)
-        return self.holder.get(self.key, _MISSING)
-
-    def rebinding(self) -> Rebinding | None:
-        now = self.read()
-        if now is self.at_call:
-            return None
-        if self.key is None:
-            return _CellRebinding(self.holder, self.at_call, now)
-        return Rebinding(self.holder, self.key, self.at_call, now)
-
-
-class _CellRebinding(Rebinding):
-    __slots__ = ()
-
-    def __init__(self, cell: types.CellType, at_call: object, now: object) -> None:
-        super().__init__({}, "", at_call, now)
-        self.live = cell  # type: ignore[assignment]  # a cell in place of a dict
-
-    def apply(self) -> None:
-        self.live.cell_contents = self.at_call  # type: ignore[attr-defined]
-
-    def undo(self) -> None:
-        self.live.cell_contents = self.now  # type: ignore[attr-defined]
-
-
 class ReachedState:
     """What one region call reached by name, kept for its recomputations."""
 
@@ -479,7 +544,7 @@ class ReachedState:
         self,
         called: list[_Called],
         reads: list[_Read],
-        cells: list[_Cell],
+        cells: list[_Slot],
         pair: tuple[PackHook, UnpackHook] | None,
         input_storages: Callable[[], set[int | None]],
     ) -> None:
@@ -491,25 +556,29 @@ class ReachedState:
 
     def name_of(self, tensor: torch.Tensor) -> str:
         """How the region reached ``tensor``, for a message: a module's attribute, a name."""
+        return self.found(tensor) or describe(tensor)
+
+    def found(self, tensor: torch.Tensor) -> str | None:
+        """Where the region found ``tensor`` by name (a module's attribute, a closure cell)."""
         for called in self._called:
             for key, value in called.module._parameters.items():
                 if value is tensor:
                     return f"{type(called.module).__name__}.{key}"
-        for cell in self._cells:
-            if cell.at_call is tensor:
-                return cell.label
+        for slot in self._cells:
+            if slot.at_call is tensor:
+                return slot.label
         for read in self._reads:
             if read.tensor is tensor:
                 return read.name()
-        return describe(tensor)
+        return None
 
     def rebindings(self) -> list[Rebinding]:
         """The bindings recomputation must see as they were at the call."""
         found: list[Rebinding] = []
         for called in self._called:
             found.extend(called.changes())
-        for cell in self._cells:
-            change = cell.rebinding()
+        for slot in self._cells:
+            change = slot.rebinding()
             if change is not None:
                 found.append(change)
         return found
@@ -528,8 +597,13 @@ class ReachedState:
         """
         values: list[tuple[torch.Tensor, torch.Tensor]] = []
         verify: list[torch.Tensor] = []
+        inputs: set[int | None] | None = None  # read only if a written tensor needs it
         for read in self._reads:
             tensor = read.tensor
+            if read.written:
+                inputs = self._input_storages() if inputs is None else inputs
+                if storage_key(tensor) in inputs:
+                    raise _written_through_an_argument(read)
             if read.before is not None:
                 values.append((tensor, read.before))
             elif read.handle is not None:
@@ -554,13 +628,6 @@ class ReachedState:
                 " in its forward pass, and it was changed again before backward, so "
                 "recomputation cannot read what the forward pass read. Change it after backward."
             )
-        if storage_key(tensor) in self._input_storages():
-            raise SavedTensorModifiedError(
-                f"tensorhooks.checkpoint: the checkpointed function writes {read.name()} in place "
-                "through an argument that shares its storage, and also reads it from outside its "
-                "arguments, so recomputation cannot read what the forward pass read. Pass it as "
-                "the argument itself, or write to a copy of the argument."
-            )
 
     def not_reproduced(self, tensor: torch.Tensor) -> CheckpointError:
         """The error for a written tensor whose write recomputation did not give again."""
@@ -574,6 +641,17 @@ class ReachedState:
             "outside the checkpointed function, or run the step inside "
             "tensorhooks.allow_mutation_on_saved_tensors() (which keeps its value)."
         )
+
+
+def _written_through_an_argument(read: _Read) -> SavedTensorModifiedError:
+    tensor = read.tensor
+    return SavedTensorModifiedError(
+        modified_message(tensor.type(), list(tensor.shape), tensor._version, read.at_call)
+        + f" Hint: the checkpointed function changed {read.name()} in place, which it reads both "
+        "from outside its arguments and through an argument sharing its storage, so the reads "
+        "before and after that write saw different values, which recomputation cannot give "
+        f"both. Pass {read.name()} itself as the argument, or write to a copy of the argument."
+    )
 
 
 def _check_unchanged(read: _Read) -> None:

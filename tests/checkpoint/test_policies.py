@@ -192,10 +192,11 @@ def test_selective_mismatch_raises_checkpoint_error() -> None:
     w1, _ = weights()
     x = input_tensor()
     flip = {"on": False}
+    on = flip.get  # a reader: recomputation reads the closure's own bindings as at the call
 
     def block(h: torch.Tensor) -> torch.Tensor:
         a = torch.mm(h, w1).sin()
-        return a.cos().cos() if flip["on"] else a.exp()
+        return a.cos().cos() if on("on") else a.exp()
 
     context_fn = functools.partial(
         tensorhooks.create_selective_checkpoint_contexts, [aten.mm.default]

@@ -304,11 +304,13 @@ def test_torch_set_checkpoint_early_stop_is_honoured() -> None:
 def test_determinism_check_counts_then_metadata() -> None:
     """A recomputation saving another number of tensors, or other shapes, raises CheckpointError."""
     x = input_tensor()
+    # Read through a function: recomputation reads the closure's own bindings as at the call.
     state = {"extra": False, "shape": False}
+    flag = state.get
 
     def block(h: torch.Tensor) -> torch.Tensor:
-        out = (h[:2] if state["shape"] else h).sin()
-        if state["extra"]:
+        out = (h[:2] if flag("shape") else h).sin()
+        if flag("extra"):
             out = out.exp().exp()
         return out.sum()
 
@@ -334,9 +336,10 @@ def test_debug_adds_the_op_traces() -> None:
     """debug=True re-raises a CheckpointError with torch's log of both runs."""
     x = input_tensor()
     flip = {"on": False}
+    on = flip.get  # a reader: recomputation reads the closure's own bindings as at the call
 
     def block(h: torch.Tensor) -> torch.Tensor:
-        return h.exp() if flip["on"] else h.sin().cos()
+        return h.exp() if on("on") else h.sin().cos()
 
     out = checkpoint(block, x, debug=True, use_reentrant=False)
     flip["on"] = True
