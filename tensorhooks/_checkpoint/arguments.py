@@ -84,6 +84,18 @@ def _take_tensors(value: Any, tensors: list[torch.Tensor], seen: dict[int, int])
     return _Container(type(value), items, keys)
 
 
+_TENSORS = object()  # the arguments are the input tensors themselves, in order
+
+
+def _distinct_tensors(args: tuple[Any, ...]) -> bool:
+    """Whether every argument is a tensor, each passed once."""
+    if len(args) == 1:
+        return isinstance(args[0], torch.Tensor)
+    return all(isinstance(arg, torch.Tensor) for arg in args) and len(set(map(id, args))) == len(
+        args
+    )
+
+
 def _put_tensors(template: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(template, _Slot):
         return tensors[template.index]
@@ -103,9 +115,14 @@ class Arguments:
     def __init__(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[torch.Tensor]
     ) -> None:
-        seen: dict[int, int] = {}
-        self.args = _take_tensors(args, tensors, seen)
-        self.kwargs = _take_tensors(kwargs, tensors, seen)
+        if not kwargs and _distinct_tensors(args):  # checkpoint(block, h): the common call
+            tensors.extend(args)
+            self.args: Any = _TENSORS
+            self.kwargs: Any = kwargs
+        else:
+            seen: dict[int, int] = {}
+            self.args = _take_tensors(args, tensors, seen)
+            self.kwargs = _take_tensors(kwargs, tensors, seen)
         self.storages = _storages(tensors)
 
     def as_called(
@@ -140,6 +157,8 @@ class Arguments:
 
     def rebuild(self, tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The arguments again, with ``tensors`` in the places the inputs were."""
+        if self.args is _TENSORS:
+            return tuple(tensors), {}
         return _put_tensors(self.args, tensors), _put_tensors(self.kwargs, tensors)
 
 

@@ -144,8 +144,9 @@ class _Saved:
         self.tensor = tensor
         self.version = version  # when saved
         self.by_value = by_value  # requires no grad: an equal tensor in its place will do
-        self.storage = storage_key(tensor)  # ``tensor.data = ...`` swaps it, moving no version
-        self.swaps = moves(tensor)
+        # ``tensor.data = ...`` swaps the storage, moving no version (a leaf's is watched as such)
+        self.storage = storage_key(tensor) if by_value else None
+        self.swaps = moves(tensor) if by_value else 0
 
 
 class GraphReads:
@@ -330,14 +331,16 @@ class GraphReads:
             SavedTensorModifiedError: if one was changed in place since (plain autograd, which
                 holds what it saved, raises too), unless recomputation reads a kept value.
         """
+        leaves = self.leaves
         for saved in self.positions.values():
             tensor = saved.tensor
-            if storage_key(tensor) != saved.storage and moves(tensor) == saved.swaps:
+            if id(tensor) in leaves:
+                continue  # checked as a leaf (and, written after saving, as such)
+            swapped = saved.by_value and storage_key(tensor) != saved.storage
+            if swapped and moves(tensor) == saved.swaps:
                 raise SavedTensorModifiedError(not_written_message(namer(tensor)))
             if tensor._version == saved.version or storage_key(tensor) in substituted:
                 continue
-            if id(tensor) in self.leaves:
-                continue  # checked as a leaf (and, written after saving, as such)
             raise SavedTensorModifiedError(
                 modified_message(tensor.type(), list(tensor.shape), tensor._version, saved.version)
                 + f" Hint: the checkpointed function saved {namer(tensor)}, which it reads from "

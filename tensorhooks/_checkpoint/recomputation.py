@@ -190,6 +190,9 @@ class _Recomputation:
         return any(tensor._version != version for tensor, version in self.kept)
 
 
+_NO_ARGUMENTS = Arguments((), {}, [])
+
+
 class Frame:
     """One call of `checkpoint`: how to run the region again, and what its forward saved."""
 
@@ -245,7 +248,7 @@ class Frame:
         self.pair: tuple[PackHook, UnpackHook] | None = None  # allow_mutation's, inside it
         self.start = 0  # the calling thread's node counter when the forward pass started
         self.inputs: Callable[[], list[torch.Tensor]] = list
-        self.arguments = Arguments((), {}, [])
+        self.arguments = _NO_ARGUMENTS  # the region's, set before its forward pass runs
         self.forward_completed = False
         self.clone_inputs = False
         self.clone_saves = False
@@ -276,10 +279,8 @@ class Frame:
         self.start = next_sequence_nr()
 
     def abandon(self) -> None:
-        """The forward pass raised: stop watching."""
-        if self.watch is not None:
-            self.watch.stop()
-            self.watch = None
+        """The forward pass raised: forget what was watched."""
+        self.watch = None
 
     def seal(self, output: object, tensors: list[torch.Tensor]) -> None:
         """At the end of the forward pass: record what it read (NOTE [What a region read])."""

@@ -7,21 +7,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 import types
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.nn.modules import module as nn_module
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.checkpoint import CheckpointError
 
 from tensorhooks._core.errors import SavedTensorModifiedError
 from tensorhooks._core.guards import PackHook, UnpackHook, modified_message
 from tensorhooks._core.moves import moves
-from tensorhooks._core.torch_compat import below_python_modes, skip_code_in_dynamo, storage_key
+from tensorhooks._core.torch_compat import below_python_modes, storage_key
 
 from .messages import describe
 
@@ -150,23 +148,26 @@ class _Read:
 class _Bindings:
     """A dict of bindings (a module's ``__dict__`` or ``_buffers``) as it was at the call."""
 
-    __slots__ = ("at_call", "live", "owner")
+    __slots__ = ("added", "at_call", "live")
 
-    def __init__(self, owner: Callable[[], str], live: dict[str, Any]) -> None:
-        self.owner = owner
+    def __init__(self, live: dict[str, Any]) -> None:
         self.live = live
         self.at_call = live.copy()
+        self.added: tuple[str, ...] = ()  # keys the forward pass bound for the first time
+
+    def seal(self) -> None:
+        """Note the keys the forward pass added, which recomputation must not find yet."""
+        if len(self.live) != len(self.at_call):
+            self.added = tuple(self.live.keys() - self.at_call.keys())
 
     def unchanged(self) -> bool:
-        """Whether every key is bound to the object it was bound to at the call (C speed)."""
-        live, at_call = self.live, self.at_call
-        return (
-            len(live) == len(at_call)
-            and all(map(_same, live.values(), at_call.values()))
-            and live.keys() == at_call.keys()
-        )
+        """Whether every key is bound as at the call (in C: equality tests identity first)."""
+        try:
+            return not self.added and self.live == self.at_call
+        except Exception:  # a value whose == is elementwise, or refuses: look one by one
+            return False
 
-    def changes(self, added: frozenset[str]) -> list[Rebinding]:
+    def changes(self) -> list[Rebinding]:
         """What to bind in recomputation: keys rebound since the call, and keys added by it."""
         changes = []
         live, at_call = self.live, self.at_call
@@ -176,14 +177,10 @@ class _Bindings:
                 changes.append(Rebinding(live, key, value, now))
         changes.extend(
             Rebinding(live, key, _MISSING, live[key])
-            for key in added
+            for key in self.added
             if key in live and isinstance(live[key], _RESTORABLE)
         )
         return changes
-
-
-def _same(a: object, b: object) -> bool:
-    return a is b
 
 
 class Rebinding:
@@ -224,40 +221,77 @@ class Rebinding:
 
 
 class _Called:
-    """A module the region called, as it was at its first call in the region."""
+    """A module the region reaches, as it was when the region started."""
 
-    __slots__ = ("added", "attributes", "buffers", "module")
+    __slots__ = ("attributes", "buffers", "module")
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
-        name = functools.partial(_module_name, module)
-        self.attributes = _Bindings(name, module.__dict__)
-        self.buffers = _Bindings(name, module._buffers) if module._buffers else None
-        self.added: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
+        self.attributes = _Bindings(module.__dict__)
+        self.buffers = _Bindings(module._buffers) if module._buffers else None
 
     def seal(self) -> None:
-        """Note the keys the forward pass added, which recomputation must not find yet."""
-        attributes = self.attributes
-        if attributes.live.keys() != attributes.at_call.keys():
-            self.added = (
-                frozenset(attributes.live.keys() - attributes.at_call.keys()),
-                self.added[1],
-            )
-        buffers = self.buffers
-        if buffers is not None and buffers.live.keys() != buffers.at_call.keys():
-            self.added = (self.added[0], frozenset(buffers.live.keys() - buffers.at_call.keys()))
+        self.attributes.seal()
+        if self.buffers is not None:
+            self.buffers.seal()
 
     def changes(self) -> list[Rebinding]:
-        found = []
-        if not self.attributes.unchanged() or self.added[0]:
-            found.extend(self.attributes.changes(self.added[0]))
-        if self.buffers is not None and (not self.buffers.unchanged() or self.added[1]):
-            found.extend(self.buffers.changes(self.added[1]))
+        found = [] if self.attributes.unchanged() else self.attributes.changes()
+        if self.buffers is not None and not self.buffers.unchanged():
+            found.extend(self.buffers.changes())
         return found
 
 
-def _module_name(module: torch.nn.Module) -> str:
-    return type(module).__name__
+class _Mode:
+    """One of torch's own modules holding no state, with its mode (``training``) at the call."""
+
+    __slots__ = ("module", "training")
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.training = module.training
+
+    def seal(self) -> None:
+        pass
+
+    def changes(self) -> list[Rebinding]:
+        now = self.module.training
+        if now is self.training:
+            return []
+        return [Rebinding(self.module.__dict__, "training", self.training, now)]
+
+
+_TORCHS: dict[type, bool] = {}
+
+
+def _is_torchs(kind: type) -> bool:
+    """Whether ``kind`` is one of torch.nn's own module classes (asked once per class)."""
+    found = _TORCHS.get(kind)
+    if found is None:
+        found = _TORCHS[kind] = kind.__module__.startswith(_TORCH_MODULES)
+    return found
+
+
+def _owning_module(function: Callable[..., Any]) -> torch.nn.Module | None:
+    """The module a function is, or is a method of (also through ``functools.partial``)."""
+    while isinstance(function, functools.partial):
+        function = function.func
+    if isinstance(function, torch.nn.Module):
+        return function
+    owner = getattr(function, "__self__", None)
+    return owner if isinstance(owner, torch.nn.Module) else None
+
+
+def _submodules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """``module`` and every module under it, each once (their own dicts: this runs per call)."""
+    found = [module]
+    seen = {id(module)}
+    for owner in found:  # grows while it is walked: breadth first
+        for child in owner._modules.values():
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                found.append(child)
+    return found
 
 
 def _tensors_of(module: torch.nn.Module) -> Iterator[tuple[Callable[[], str], torch.Tensor, bool]]:
@@ -267,9 +301,14 @@ def _tensors_of(module: torch.nn.Module) -> Iterator[tuple[Callable[[], str], to
     for key, buffer in module._buffers.items():
         if buffer is not None and not buffer.requires_grad:
             yield _attribute_name(kind, key), buffer, hidden and key in _RUNNING_STATS
+    if _is_torchs(kind):
+        return  # torch's own modules keep tensors in buffers and parameters only
     for key, value in module.__dict__.items():
         if isinstance(value, torch.Tensor) and not value.requires_grad:
             yield _attribute_name(kind, key), value, False
+
+
+_TORCH_MODULES = "torch.nn.modules."
 
 
 def _attribute_name(kind: type, key: str) -> Callable[[], str]:
@@ -286,6 +325,8 @@ def _class_slots(kind: type) -> list[_Slot]:
 
     Found once per class (torch's own classes keep none); read at every call.
     """
+    if _is_torchs(kind):
+        return []
     places = _CLASS_SLOTS.get(kind)
     if places is None:
         places = _CLASS_SLOTS[kind] = _find_class_places(kind)
@@ -437,20 +478,19 @@ def _is_plain_object(value: object) -> bool:
 
 
 class CallWatch:
-    """Records, while a region's forward pass runs, the state it reaches. See NOTE [State...]."""
+    """Records, when a region starts, the state it reaches by structure. See NOTE [State...]."""
 
-    __slots__ = ("_called", "_cells", "_handle", "_pair", "_reads", "_thread")
+    __slots__ = ("_called", "_cells", "_pair", "_reads")
 
     def __init__(self, function: Callable[..., Any], pair: tuple[PackHook, UnpackHook] | None):
         self._pair = pair  # allow_mutation_on_saved_tensors' pack and unpack, inside it
-        self._called: dict[int, _Called] = {}
+        self._called: dict[int, _Called | _Mode] = {}
         self._reads: list[_Read] = []
         self._cells: list[_Slot] = []
-        self._thread = threading.get_ident()
-        self._slots(function)
-        self._handle = nn_module.register_module_forward_pre_hook(self._on_call)
-
-    def _slots(self, function: Callable[..., Any]) -> None:
+        owner = _owning_module(function)
+        if owner is not None:  # the function is a module, or a method of one: all it holds
+            for module in _submodules(owner):
+                self._call(module)
         for slot in _function_slots(function):
             self._slot(slot, depth=0)
 
@@ -464,9 +504,9 @@ class CallWatch:
             if not value.requires_grad or value.grad_fn is not None:
                 self._read(functools.partial(str, slot.label), value, hidden=False)
         elif isinstance(value, torch.nn.Module):
-            # A module the function holds: recorded as if called, and its children too (an item
-            # of a ModuleDict, a child whose buffer it reads), not deeper: what it calls is
-            # recorded when called.
+            # A module the function holds: it and its children (an item of a ModuleDict, the
+            # block it calls), not deeper, so that a closure over a whole model costs what one
+            # level of it costs.
             for module in (value, *list(value._modules.values())[:_MAX_ITEMS]):
                 if module is not None and id(module) not in self._called:
                     self._call(module)
@@ -474,11 +514,11 @@ class CallWatch:
             for item in _items(slot, value):
                 self._slot(item, depth=1)
 
-    def _on_call(self, module: torch.nn.Module, args: object) -> None:
-        if threading.get_ident() == self._thread and id(module) not in self._called:
-            self._call(module)
-
     def _call(self, module: torch.nn.Module) -> None:
+        if self._pair is None and not module._buffers and _is_torchs(type(module)):
+            # torch's own module, holding no state of its own: only its mode can change.
+            self._called[id(module)] = _Mode(module)
+            return
         self._called[id(module)] = _Called(module)
         for name, tensor, hidden in _tensors_of(module):
             self._read(name, tensor, hidden=hidden)
@@ -504,13 +544,8 @@ class CallWatch:
                 read.handle = self._pair[0](tracked_form(tensor))
         self._reads.append(read)
 
-    def stop(self) -> None:
-        """The forward pass ended (or raised): stop watching module calls."""
-        self._handle.remove()
-
     def seal(self, input_storages: Callable[[], set[int | None]]) -> ReachedState | None:
         """What the forward pass left: the reads written, the bindings recomputation restores."""
-        self.stop()
         reads = self._reads
         for read in reads:
             tensor = read.tensor
@@ -532,9 +567,6 @@ class CallWatch:
         )
 
 
-skip_code_in_dynamo(CallWatch._on_call.__code__)  # runs under compiled modules too: keep eager
-
-
 class ReachedState:
     """What one region call reached by name, kept for its recomputations."""
 
@@ -542,7 +574,7 @@ class ReachedState:
 
     def __init__(
         self,
-        called: list[_Called],
+        called: list[_Called | _Mode],
         reads: list[_Read],
         cells: list[_Slot],
         pair: tuple[PackHook, UnpackHook] | None,

@@ -44,6 +44,7 @@ __all__ = [
     "current_autograd_node",
     "current_dispatch_mode",
     "current_graph_task_id",
+    "default_device_in_force",
     "disable_saved_tensors_hooks_with",
     "enable_saved_tensors_hooks",
     "fsdp2_modules",
@@ -243,6 +244,21 @@ top_saved_tensors_hooks: Callable[[], _HookPair | None] = functools.partial(
 is_alias_of: Callable[[torch.Tensor, torch.Tensor], bool] = _required(
     torch, "_C._is_alias_of", "2.4"
 )
+
+
+# How many TorchFunctionModes are active on this thread. Known on torch 2.0.
+_function_modes: Callable[[], int] = _required(torch, "_C._len_torch_function_stack", "2.0")
+
+
+def default_device_in_force() -> torch.device | None:
+    """The default device set by ``torch.set_default_device`` or ``with torch.device(...)``.
+
+    None where neither is in force (the common case: no function mode is active), read in
+    one call; ``torch.get_default_device()`` walks the mode stack in Python every time.
+    """
+    if not _function_modes():
+        return None
+    return torch.get_default_device()
 
 
 def storage_key(tensor: torch.Tensor) -> int | None:
