@@ -1137,8 +1137,8 @@ def test_flops_and_mem(ckpt: ModuleType) -> None:
         "policy": (1.0, 2.0),
         "bool": (1.0, 2.0),
     }
-    got = {name: (activation_mib(run), backward_flops(run)) for name, run in runs.items()}
-    assert got == expected
+    for name, run in runs.items():
+        assert (activation_mib(run), backward_flops(run)) == pytest.approx(expected[name]), name
 
 
 @both
