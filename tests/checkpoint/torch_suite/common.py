@@ -63,13 +63,16 @@ def torch_release_fails(reason: str) -> pytest.MarkDecorator:
 
 @contextlib.contextmanager
 def debug_logger_restored() -> Iterator[None]:
-    """The debug logger of torch's checkpoint put back as it was: torch leaves it configured.
+    """The debug logger of torch's checkpoint as a fresh process has it, then as it was.
 
-    (``debug=True`` sets the "LoggingTensor" logger not to propagate and adds a filter each
-    time; pytest then attaches its capture handlers to it, which cannot format its records.)
+    ``debug=True`` sets the "LoggingTensor" logger not to propagate and adds a filter each time;
+    pytest's capture handlers, which cannot format its records, are found attached to it after
+    other tests. Each case starts from the untouched logger.
     """
     logger = logging.getLogger("LoggingTensor")
     state = (logger.propagate, logger.level, list(logger.filters), list(logger.handlers))
+    logger.propagate, logger.filters, logger.handlers = True, [], []
+    logger.setLevel(logging.NOTSET)
     try:
         yield
     finally:

@@ -63,7 +63,10 @@ def once_then(first: Callable[..., Any], then: Callable[..., Any]) -> Callable[.
 # --- TestAutograd --------------------------------------------------------------------------------
 
 
-@torch_release_fails("torch 2.13 keeps the forward pass's saved tensor alive until a collection")
+@torch_release_fails(
+    "torch 2.13 can keep the forward pass's saved tensor alive until a garbage collection "
+    "(seen when the test runs first in its process)"
+)
 def test_custom_autograd_ac_early_stop(ckpt: ModuleType) -> None:
     """A custom Function's saved tensor recomputed with early stop dies after backward."""
     refs: list[weakref.ref[torch.Tensor]] = []
