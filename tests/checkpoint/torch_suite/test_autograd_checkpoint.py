@@ -22,6 +22,7 @@ import collections
 import contextlib
 import copy
 import functools
+import inspect
 import unittest.mock
 import warnings
 import weakref
@@ -47,6 +48,8 @@ from tests.checkpoint.torch_suite.common import (
     tensorhooks_xfails,
     torch_release_fails,
 )
+
+TORCH_CHECKPOINT_SOURCE = inspect.getsource(torch.utils.checkpoint)
 
 
 def once_then(first: Callable[..., Any], then: Callable[..., Any]) -> Callable[..., Any]:
@@ -754,6 +757,8 @@ def test_context_fn_suppressing_the_forward_exception(ckpt: ModuleType) -> None:
     def fails(x: torch.Tensor) -> torch.Tensor:
         raise ValueError("the function failed")
 
+    if not is_tensorhooks(ckpt) and "suppressed an exception" not in TORCH_CHECKPOINT_SOURCE:
+        pytest.skip("this torch release does not check a suppressed forward exception")
     x = torch.ones(2, requires_grad=True)
     with pytest.raises(RuntimeError, match="suppressed an exception"):
         ckpt.checkpoint(
