@@ -72,10 +72,12 @@ def checkpoint_sequential(
         CheckpointArgumentValueError: if ``use_reentrant=True``, ``segments`` is outside 1 to
             ``len(functions)``, or another keyword than ``preserve_rng_state`` is given (a
             ``ValueError``).
-        CheckpointArgumentTypeError: if ``segments`` is not an int (a ``TypeError``).
+        CheckpointArgumentTypeError: if ``segments`` is not an int, or ``use_reentrant`` is
+            not a flag (a second input passed positionally) (a ``TypeError``).
 
     Nesting and threads: as `tensorhooks.checkpoint`, which runs each segment.
     """
+    _check_use_reentrant(use_reentrant)
     if use_reentrant:
         raise CheckpointArgumentValueError(
             "tensorhooks.checkpointing.checkpoint_sequential: use_reentrant=True is not "
@@ -105,6 +107,24 @@ def checkpoint_sequential(
             preserve_rng_state=preserve_rng_state,
         )
     return _run_segment(functions[end + 1 :], input)
+
+
+def _check_use_reentrant(use_reentrant: object) -> None:
+    """Refuse a ``use_reentrant`` that is not a flag: a second input passed positionally.
+
+    torch's ``checkpoint_sequential(functions, segments, a, b)`` reads ``b`` as use_reentrant and
+    fails later, a ``TypeError`` where the first function is called without ``b``; tensorhooks
+    says so at once, with the same builtin.
+    """
+    if use_reentrant is None or isinstance(use_reentrant, int):  # bool, or torch's 0 and 1
+        return
+    raise CheckpointArgumentTypeError(
+        "tensorhooks.checkpointing.checkpoint_sequential: use_reentrant must be None, True or "
+        f"False, got a {type(use_reentrant).__name__} as its fourth positional argument: a "
+        "second input? It passes one input along the sequence, as torch's does; pack the "
+        "inputs into one, or checkpoint the functions with tensorhooks.checkpoint, which takes "
+        "any arguments"
+    )
 
 
 def _segment_size(count: int, segments: object) -> int:

@@ -159,6 +159,26 @@ def test_unexpected_keywords_raise_a_value_error_as_torch() -> None:
         checkpoint_sequential(model(2), 1, leaf(), use_reentrant=False, scale=2)
 
 
+def test_a_second_input_is_a_type_error_as_in_torch() -> None:
+    """A second input lands on use_reentrant: a TypeError in both, tensorhooks' naming it."""
+
+    class Two(nn.Module):
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return a + b
+
+    a, b = leaf(), leaf(8)
+    for segments in (1, 2):
+        with pytest.raises(TypeError, match="missing 1 required positional argument"):
+            torch_checkpoint.checkpoint_sequential(nn.Sequential(Two(), Two()), 1, a, b)
+        with pytest.raises(
+            tensorhooks.CheckpointArgumentTypeError,
+            match=r"use_reentrant must be None, True or False, got a Tensor .* a second input",
+        ):
+            checkpoint_sequential(nn.Sequential(Two(), Two()), segments, a, b)  # type: ignore[arg-type]
+    out = checkpoint_sequential(model(2), 2, a, 0)  # torch's 0 and 1 pass as flags
+    assert out.shape == a.shape
+
+
 @pytest.mark.parametrize(
     ("segments", "error", "message"),
     [
