@@ -31,6 +31,7 @@ __all__ = [
     "not_written_message",
     "replaced_message",
     "tensors_in",
+    "unpacked",
     "watch_optimizer_steps",
 ]
 
@@ -101,6 +102,23 @@ def _collect(value: object, found: list[torch.Tensor], depth: int) -> None:
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         for field in dataclasses.fields(value):
             _collect(getattr(value, field.name, None), found, depth + 1)
+
+
+_UNPACKED = "_tensorhooks_unpacked"
+
+
+def unpacked(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A recomputation's unpacked inputs, the new leaves among them marked as recomputation's.
+
+    An input saved through hooks comes back as a new leaf (a copy, or a detached alias) where it
+    was one. A recomputation nested in this one, or a gradient with ``create_graph=True``
+    through it, may keep it alive past the recomputation: it is still never a tensor read from
+    outside, and the mark says so to every check that meets it.
+    """
+    for tensor in inputs:
+        if tensor.is_leaf and tensor.requires_grad:
+            tensor.__dict__[_UNPACKED] = True
+    return inputs
 
 
 def _accumulate_grad_class() -> type:
@@ -447,7 +465,8 @@ class RecomputedReads:
                     continue
                 leaf = _leaf_of(following)
                 record = known.get(id(leaf))
-                if (record is None or record.tensor is not leaf) and id(leaf) not in entries:
+                unknown = record is None or record.tensor is not leaf
+                if unknown and id(leaf) not in entries and _UNPACKED not in leaf.__dict__:
                     yield ("a tensor requiring grad", weakref.ref(leaf), None)
 
 

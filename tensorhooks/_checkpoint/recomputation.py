@@ -35,7 +35,7 @@ from tensorhooks._core.torch_compat import (
 )
 
 from .arguments import Arguments
-from .reads import GraphReads, RecomputedReads, describe, tensors_in
+from .reads import GraphReads, RecomputedReads, describe, tensors_in, unpacked
 from .replay import RegionState
 from .state import CallWatch, ReachedState, Rebinding
 from .substitution import Substitution
@@ -307,7 +307,7 @@ class Frame:
 
     def recompute(self, state: _Recomputation) -> None:
         """Run the region again, keeping its saved tensors in ``state``; check them."""
-        inputs = self.inputs()  # an argument changed in place raises here, first
+        inputs = unpacked(self.inputs())  # an argument changed in place raises here, first
         reached, graph = self.reached, self.graph
         values, verify = ([], []) if reached is None else reached.values()
         if graph is not None:
@@ -329,7 +329,7 @@ class Frame:
             # See NOTE [Checkpointing on saved-tensor hooks], "In-place writes".
             self.clone_saves = True
             state.reset()
-            self._run_again(state, self.inputs(), rebindings, full=bool(verify))
+            self._run_again(state, unpacked(self.inputs()), rebindings, full=bool(verify))
         state.kept.clear()
         self._verify(state.substitution, verify)
         state.substitution = None
@@ -395,11 +395,11 @@ class Frame:
             return
         if state.count != len(self.holders):
             raise CheckpointError(
-                "tensorhooks.checkpoint: a different number of tensors was saved during the "
+                "tensorhooks.checkpoint: A different number of tensors was saved during the "
                 f"forward pass ({len(self.holders)}) and during recomputation ({state.count}). "
-                "The checkpointed function must run the same ops both times: look for "
-                "branches on global state or on values that differ between the two runs, or "
-                'pass determinism_check="none" if the difference is harmless.'
+                "The checkpointed function must run the same ops both times (non-determinism: "
+                "look for branches on global state or on values that differ between the two "
+                'runs), or pass determinism_check="none" if the difference is harmless.' + DEBUG_TIP
             )
         metadata_fn = self.metadata_fn
         differ = [
@@ -409,11 +409,23 @@ class Frame:
         ]
         if differ:
             raise CheckpointError(
-                "tensorhooks.checkpoint: recomputed tensors differ from those saved in the "
-                "forward pass (shape, dtype, device):\n"
+                "tensorhooks.checkpoint: Recomputed values for the following tensors have "
+                "different metadata than during the forward pass (recomputed tensors differ from "
+                "those saved in shape, dtype or device):\n"
                 + "\n".join(differ)
                 + '\nReplay the same state (autocast, dtypes) or pass determinism_check="none".'
+                + DEBUG_TIP
             )
+
+
+# torch's tip, in its words (code written for torch, and its tests, look for them).
+DEBUG_TIP = """
+Tip: To see a more detailed error message, either pass `debug=True` to
+`tensorhooks.checkpoint(...)` or wrap the code block with
+`with torch.utils.checkpoint.set_checkpoint_debug_enabled(True):` to enable checkpoint-debug
+mode globally. If this error occurs under torch.compile with automatic dynamic shapes, the
+recomputation may have picked another compiled graph than the forward pass: use
+torch._dynamo.mark_dynamic() to mark the varying dimensions as dynamic upfront."""
 
 
 def _identity(value: Any) -> Any:
@@ -432,9 +444,10 @@ def _keep_recomputed(
             state.ignore_mismatch = True
             return tensor
         raise CheckpointError(
-            "tensorhooks.checkpoint: more tensors were saved during recomputation than during "
-            f"the forward pass ({total}). The checkpointed function must run the same ops both "
-            "times."
+            "tensorhooks.checkpoint: trying to save more tensors during recomputation than "
+            f"during the forward pass ({total}): more tensors were saved during recomputation. "
+            "The checkpointed function must run the same ops both times (non-determinism)."
+            + DEBUG_TIP
         )
     kept = tensor.detach() if tensor.requires_grad else tensor
     # A position whose holder died belongs to a node already released (a branch the region's

@@ -77,7 +77,17 @@ __all__ = ["CallWatch", "ReachedState", "Rebinding", "tracked_form"]
 # module called, two shallow dict copies and the versions of its buffers; no tensor copied once
 # the program has run a step, but for state the region writes.
 
-_RESTORABLE = (torch.Tensor, int, float, bool, complex, str, tuple, type(None))
+# The bindings recomputation restores: tensors, and what a tensor binding starts from or is
+# kept in (None, a tuple: ``self.hidden = (h, c)``). Python numbers are left to run as in torch,
+# so a counter a module keeps counts recomputations too (as code written for torch expects);
+# a module's mode, ``training``, is restored whatever it is.
+_RESTORABLE = (torch.Tensor, tuple, type(None))
+
+
+def _restorable(key: object, value: object, now: object) -> bool:
+    return isinstance(value, _RESTORABLE) or isinstance(now, torch.Tensor) or key == "training"
+
+
 _MISSING = object()
 # Buffers that batch norm's kernels write without moving their version: in training mode
 # ``native_batch_norm`` updates the running statistics although its schema declares no write.
@@ -173,12 +183,12 @@ class _Bindings:
         live, at_call = self.live, self.at_call
         for key, value in at_call.items():
             now = live.get(key, _MISSING)
-            if now is not value and isinstance(value, _RESTORABLE):
+            if now is not value and _restorable(key, value, now):
                 changes.append(Rebinding(live, key, value, now))
         changes.extend(
             Rebinding(live, key, _MISSING, live[key])
             for key in self.added
-            if key in live and isinstance(live[key], _RESTORABLE)
+            if key in live and isinstance(live[key], (torch.Tensor, tuple))
         )
         return changes
 
@@ -413,6 +423,8 @@ class _Slot:
             return None
         now = self.read()
         if now is self.at_call or (isinstance(self.holder, list) and now is _MISSING):
+            return None
+        if not _restorable(self.key, self.at_call, now):
             return None
         return Rebinding(self.holder, self.key, self.at_call, now, how=self.kind)
 

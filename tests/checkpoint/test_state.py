@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from torch.utils.checkpoint import CheckpointError
 
 import tensorhooks
 from tensorhooks import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts

@@ -435,7 +435,6 @@ class Mismatch(NamedTuple):
 
 
 DEBUG_MESSAGE = "You are seeing this error because you passed `debug=True` to checkpoint"
-METADATA_SAYS = 'says "recomputed tensors differ from those saved"'
 MISMATCHES = {
     "fewer": Mismatch(
         save_3_tensors,
@@ -443,7 +442,7 @@ MISMATCHES = {
         {},
         None,
         "A different number of tensors was saved",
-        'says "a different number of tensors was saved" (lower-case a)',
+        None,
     ),
     "more without early stop": Mismatch(
         save_2_tensors,
@@ -451,7 +450,7 @@ MISMATCHES = {
         {},
         ("set_checkpoint_early_stop", False),
         "trying to save more tensors during recomputation",
-        'says "more tensors were saved during recomputation"',
+        None,
     ),
     "metadata": Mismatch(
         save_2_tensors,
@@ -459,7 +458,7 @@ MISMATCHES = {
         {},
         None,
         "tensors have different metadata",
-        METADATA_SAYS,
+        None,
     ),
     "debug": Mismatch(
         save_2_tensors, save_2_tensors_alt, {"debug": True}, None, DEBUG_MESSAGE, None
@@ -477,8 +476,8 @@ MISMATCHES = {
         save_2_tensors_alt,
         {"debug": True},
         ("set_checkpoint_debug_enabled", False),
-        "Recomputed values for the following tensors have different",
-        METADATA_SAYS,
+        "Recomputed values for the following tensors have",
+        None,
     ),
 }
 
@@ -736,10 +735,7 @@ def test_save_on_cpu_and_checkpoint(ckpt: ModuleType) -> None:
     torch.testing.assert_close(a.grad, expected)
 
 
-@tensorhooks_xfails(
-    "a forward context that suppresses the function's exception: UnboundLocalError in region.py "
-    "_checkpoint_with, not torch's RuntimeError"
-)
+@both
 def test_context_fn_suppressing_the_forward_exception(ckpt: ModuleType) -> None:
     """A forward context that swallows the function's error raises torch's RuntimeError.
 
@@ -854,20 +850,13 @@ def grads_inside(x: torch.Tensor) -> torch.Tensor:
     return x.sin()
 
 
-NESTED_XFAIL = (
-    "three regions nested with autograd.grad between them, the innermost calling autograd.grad: "
-    "recomputation raises SavedTensorModifiedError from reads.py"
-)
-
-
 def nested_cases() -> list[Any]:
     """The source test's loop over its two functions and four grad depths, one case each."""
     cases = []
     for function in (plain_chain, grads_inside):
         for depth in range(4):
             for name, module in IMPLEMENTATIONS.items():
-                xfail = name == "tensorhooks" and function is grads_inside and depth == 3
-                marks = [pytest.mark.xfail(strict=True, reason=NESTED_XFAIL)] if xfail else []
+                marks: list[Any] = []
                 case_id = f"{function.__name__}-depth{depth}-{name}"
                 cases.append(pytest.param(module, function, depth, id=case_id, marks=marks))
     return cases
