@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,6 +27,7 @@ from tensorhooks._core.torch_compat import (
     OpOverload,
     TorchDispatchMode,
     include_inplace_or_view_key,
+    is_cacheable_effect,
     returns_alias,
     selective_policy_context,
     torch_selective_checkpoint_modes,
@@ -75,12 +77,35 @@ __all__ = [
 #     changed value: an in-place write applied twice);
 #   - otherwise taking the entry raises autograd's in-place error, naming the op and the policy.
 
+# NOTE [Ops with ordered side effects]
+#
+# An op with an ordered side effect (``aten._print``, a custom op registered with
+# ``torch.library._register_effectful_op``, one taking a TorchBind object: see
+# `is_cacheable_effect`) must not run again in recomputation: its effect would happen twice per
+# step. Its output is saved, as ``MUST_SAVE``, when the policy returns ``PREFER_RECOMPUTE`` (or
+# False); ``MUST_RECOMPUTE`` is the one explicit request to run it again, and the ``*_CPU_OFFLOAD``
+# policies already keep it without running it. This is torch 2.15's rule
+# (`_CachingTorchDispatchMode`), followed on every supported release; torch 2.11 to 2.14 run such
+# ops again. Ops that alias or write an argument, and raw ``c10d`` collectives, are not covered:
+# their output is no value to keep (torch leaves them out too).
+#
+# The policy handed to torch's checkpoint under torch.compile (`_Plan.policy_fn`) applies the
+# same rule, so that torch before 2.15 does not recompute such an op there either (its
+# partitioner then fails in backward on the op's effect token).
+#
+# An entry with no tensor in it (a print's None) is never consumed: it holds nothing, and a
+# second backward over a retained graph then does not repeat the effect. An entry holding tensors
+# is consumed as any other (see NOTE [Selective checkpointing in eager mode]), and a second
+# backward runs the op again, effect included; so does recomputation of a saved output the region
+# wrote in place under ``allow_cache_entry_mutation=True``.
+
 PolicyFn = Callable[..., Any]
 
 # By name: a member's kind (save, offload, recompute) is the end of its name.
 _SAVE = frozenset({"MUST_SAVE", "PREFER_SAVE"})
 _OFFLOAD = frozenset({"MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD"})
 _RECOMPUTE = frozenset({"MUST_RECOMPUTE", "PREFER_RECOMPUTE"})
+_POLICIES = _SAVE | _OFFLOAD | _RECOMPUTE
 
 # Ops checkpointing itself adds a different number of times in forward and recomputation, and
 # metadata queries: never counted, never cached (torch's list, where this torch has it).
@@ -206,13 +231,21 @@ class _Entry:
         raise self._modified_error(*change)
 
     def _modified_error(self, alias: torch.Tensor, version: int) -> SavedTensorModifiedError:
+        if self.policy in _RECOMPUTE:  # saved for its side effect: see NOTE [Ops with ordered ...]
+            saved = (
+                "which selective checkpointing saves because the op has an ordered side effect "
+                f"(the policy returned {self.policy})"
+            )
+            recompute = "MUST_RECOMPUTE for this op (its side effect then runs again in backward)"
+        else:
+            saved = f"which the selective checkpoint policy saves ({self.policy})"
+            recompute = "PREFER_RECOMPUTE for this op"
         return SavedTensorModifiedError(
             modified_message(alias.type(), list(alias.shape), alias._version, version)
             + f" Hint: the output of {self.func} (call {self.index}) in a checkpointed region, "
-            f"which the selective checkpoint policy saves ({self.policy}), was changed in place "
-            "after it was saved, so recomputation cannot use it. Have the policy return "
-            "PREFER_RECOMPUTE for this op, pass allow_cache_entry_mutation=True to recompute "
-            "such outputs instead, or run the forward pass and backward inside "
+            f"{saved}, was changed in place after it was saved, so recomputation cannot use it. "
+            f"Have the policy return {recompute}, pass allow_cache_entry_mutation=True to "
+            "recompute such outputs instead, or run the forward pass and backward inside "
             "tensorhooks.allow_mutation_on_saved_tensors() to keep the saved value."
         )
 
@@ -233,7 +266,9 @@ class _Plan:
     def __init__(
         self, policy_fn: PolicyFn, allow_cache_entry_mutation: bool, offload: save_on_cpu
     ) -> None:
-        self.policy_fn = policy_fn
+        self.user_policy_fn = policy_fn
+        # The policy as checkpointing applies it, for torch's checkpoint under torch.compile.
+        self.policy_fn: PolicyFn = functools.partial(_saving_effects, policy_fn)
         self.allow_cache_entry_mutation = allow_cache_entry_mutation
         self.offload = offload
         self.storage: dict[Any, list[_Entry | None]] = {}
@@ -259,39 +294,23 @@ class _Plan:
 
     def file(self, func: OpOverload, policy: Any, output: Any) -> None:
         """File ``output`` of ``func`` as ``policy`` says."""
-        if isinstance(policy, bool):  # torch accepts booleans: True saves
-            policy = CheckpointPolicy.MUST_SAVE if policy else CheckpointPolicy.PREFER_RECOMPUTE
+        name = _policy_name(func, policy)
         entries = self.storage.setdefault(func, [])
-        name = policy.name if isinstance(policy, enum.Enum) else None
-        if name in _RECOMPUTE or ((name in _SAVE or name in _OFFLOAD) and returns_alias(func)[0]):
+        keeps = name in _SAVE or name in _OFFLOAD or _saves_effect(func, name)
+        if not keeps or returns_alias(func)[0]:
             entries.append(None)
-        elif name in _OFFLOAD:
-            entries.append(
-                _Entry(
-                    output,
-                    self.offload_pair,
-                    watch=False,
-                    func=func,
-                    index=len(entries),
-                    policy=name,
-                )
+            return
+        offload = name in _OFFLOAD
+        entries.append(
+            _Entry(
+                output,
+                self.offload_pair if offload else self.save_pair,
+                watch=not offload,
+                func=func,
+                index=len(entries),
+                policy=name,
             )
-        elif name in _SAVE:
-            entries.append(
-                _Entry(
-                    output,
-                    self.save_pair,
-                    watch=True,
-                    func=func,
-                    index=len(entries),
-                    policy=name,
-                )
-            )
-        else:
-            raise CheckpointArgumentTypeError(
-                f"selective checkpoint: the policy returned {policy!r} of type "
-                f"{type(policy).__name__} for {func}; return a CheckpointPolicy or a bool"
-            )
+        )
 
     def seal(self) -> None:
         """At the end of the forward pass (see `_Entry.seal`)."""
@@ -313,8 +332,42 @@ class _Plan:
         if entry is None:
             return None
         usable = entry.usable(self.keeps_saved_values, self.allow_cache_entry_mutation)
-        entries[index] = None  # consumed (or stale): the plan holds the output no longer
+        if entry.packed:  # an entry without tensors holds nothing: see NOTE [Ops with ordered ...]
+            entries[index] = None  # consumed (or stale): the plan holds the output no longer
         return entry if usable else None
+
+
+def _policy_name(func: OpOverload, policy: Any) -> str:
+    """The name of the `CheckpointPolicy` member ``policy`` is (True: MUST_SAVE)."""
+    if isinstance(policy, bool):  # torch accepts booleans: True saves
+        policy = CheckpointPolicy.MUST_SAVE if policy else CheckpointPolicy.PREFER_RECOMPUTE
+    name = policy.name if isinstance(policy, enum.Enum) else None
+    if name not in _POLICIES:
+        raise CheckpointArgumentTypeError(
+            f"selective checkpoint: the policy returned {policy!r} of type "
+            f"{type(policy).__name__} for {func}; return a CheckpointPolicy or a bool"
+        )
+    return name
+
+
+def _saves_effect(func: OpOverload, name: str) -> bool:
+    """Whether ``func``'s output is saved although the policy said PREFER_RECOMPUTE.
+
+    See NOTE [Ops with ordered side effects].
+    """
+    return name == "PREFER_RECOMPUTE" and is_cacheable_effect(func)
+
+
+def _saving_effects(policy_fn: PolicyFn, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """``policy_fn``'s answer, MUST_SAVE where it would run an op with ordered side effects again.
+
+    Other answers, valid or not, pass unchanged (see NOTE [Ops with ordered side effects]).
+    """
+    policy = policy_fn(ctx, op, *args, **kwargs)
+    replays = policy is CheckpointPolicy.PREFER_RECOMPUTE or (
+        isinstance(policy, bool) and not policy
+    )
+    return CheckpointPolicy.MUST_SAVE if replays and is_cacheable_effect(op) else policy
 
 
 class SelectiveForward(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
@@ -353,7 +406,7 @@ class SelectiveForward(TorchDispatchMode):  # type: ignore[no-untyped-call]  # u
         if func in _IGNORED:
             return output
         plan = self.plan
-        policy = plan.policy_fn(selective_policy_context(output), func, *args, **kwargs)
+        policy = plan.user_policy_fn(selective_policy_context(output), func, *args, **kwargs)
         plan.file(func, policy, output)
         return output
 
@@ -407,7 +460,10 @@ def create_selective_checkpoint_contexts(
     is called once per op in the forward pass (never in recomputation) and returns a
     `CheckpointPolicy`: ``*_SAVE`` keeps the output, ``*_RECOMPUTE`` recomputes it, and
     ``*_CPU_OFFLOAD`` keeps it in (pinned) host memory through `save_on_cpu` and copies it back
-    in backward without running the op again; torch's eager checkpoint recomputes those.
+    in backward without running the op again; torch's eager checkpoint recomputes those. An op
+    with an ordered side effect (``aten._print``, a custom op registered as effectful) is saved
+    unless the policy says ``MUST_RECOMPUTE``, as torch 2.15 does, so that its effect happens
+    once.
 
     Example:
         >>> import functools, torch, tensorhooks

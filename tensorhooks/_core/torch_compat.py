@@ -24,10 +24,17 @@ from typing import Any
 
 import torch
 
-# An operator overload (read by allow_mutation_on_saved_tensors through `op_schema` and `op_call`),
-# the node base class, and the dispatch-mode module with its base class: known on torch 2.4. A
-# torch without them fails this import with its own ImportError.
-from torch._ops import OpOverload
+# torch.library's per-operator registry, and the module that registers torch's own effectful ops
+# (``aten::_print``, ...) in it, which ``import torch`` imports too: known on torch 2.11 (see
+# `is_cacheable_effect`).
+import torch._higher_order_ops.effects
+from torch._library import simple_registry as _simple_registry
+
+# An operator overload (read by allow_mutation_on_saved_tensors through `op_schema` and `op_call`)
+# and a higher-order operator (a checkpoint policy may be asked about one), the node base class,
+# and the dispatch-mode module with its base class: known on torch 2.4. A torch without them fails
+# this import with its own ImportError.
+from torch._ops import HigherOrderOperator, OpOverload
 from torch.autograd.graph import Node
 from torch.utils import _python_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -54,6 +61,7 @@ __all__ = [
     "get_disabled_hooks_message",
     "include_inplace_or_view_key",
     "is_alias_of",
+    "is_cacheable_effect",
     "is_captured_accumulator",
     "is_dispatch_key_excluded",
     "is_newest_node",
@@ -445,6 +453,67 @@ def torch_selective_checkpoint_modes() -> tuple[Any, Any] | None:
     if caching is None or cached is None:
         return None
     return caching, cached
+
+
+# The registry torch.library keeps per operator name (its fake kernel, its effect, ...): entries
+# are made on first lookup and never removed. Known on torch 2.11.
+_operator_registry: Any = _required(_simple_registry, "singleton", "2.11")
+
+
+class _OrderedBefore2_13:
+    """The registry's effect of an op torch registers as effectful from 2.13 on, on 2.11."""
+
+    effect = "Ordered"
+
+
+# Ops whose effect torch registers itself from 2.13 on; 2.11's registry lacks them.
+_REGISTERED_SINCE_2_13 = frozenset({"aten::_linalg_check_errors"})
+
+
+def _effect_holder(op: Any) -> Any:
+    """Where the registry holds ``op``'s effect, or None where no effect can count for it.
+
+    None for an op that aliases or writes an argument, for the ``c10d`` namespace (a raw
+    collective writes its inputs and returns a Work handle: no value to keep) and for anything
+    but an operator overload or a higher-order operator: the parts of the rule that never change.
+    """
+    if isinstance(op, HigherOrderOperator):
+        name = f"{op.namespace}::{op.name()}"  # type: ignore[no-untyped-call]  # untyped
+    elif isinstance(op, OpOverload) and op.namespace != "c10d" and not _has_alias_info(op):
+        name = op.__qualname__
+    else:
+        return None
+    if TORCH_VERSION < (2, 13) and name in _REGISTERED_SINCE_2_13:
+        return _OrderedBefore2_13
+    return _operator_registry.find(name).effect
+
+
+def _has_alias_info(op: OpOverload) -> bool:
+    schema = op_schema(op)
+    return any(item.alias_info is not None for item in (*schema.arguments, *schema.returns))
+
+
+_effect_holders: dict[Any, Any] = {}
+
+
+def is_cacheable_effect(op: Any) -> bool:
+    """Whether selective checkpointing saves ``op``'s output rather than run it again in backward.
+
+    True for an op with an ordered side effect (see NOTE [Ops with ordered side effects] in
+    ``_checkpoint/policies.py``): one with an effect in torch.library's registry
+    (``aten::_print``, ``aten::_linalg_check_errors``, an op registered through
+    ``torch.library._register_effectful_op``, one taking a TorchBind object), none of whose
+    arguments or returns alias, outside the ``c10d`` namespace. This is the rule of
+    ``torch.utils.checkpoint._is_cacheable_effect`` (torch 2.15), rebuilt for every supported
+    release and tested against torch's on 2.15. What never changes for an op (its schema, its
+    registry entry) is looked up once; its registered effect is read on each call, so an effect
+    registered later counts.
+    """
+    try:
+        holder = _effect_holders[op]
+    except KeyError:
+        holder = _effect_holders[op] = _effect_holder(op)
+    return holder is not None and holder.effect is not None
 
 
 def torch_checkpoint_early_stop_override() -> bool | None:
