@@ -1,6 +1,8 @@
 """Cost of identity saved-tensor hooks and of multi-grad hooks, tensorhooks against torch.
 
-Run: python benchmarks/hooks.py [--rounds N]
+Multi-grad hooks are timed in a step (registered once) and in their registration and removal.
+
+Run: python benchmarks/hooks.py [--rounds N] [--only registration]
 """
 
 from __future__ import annotations
@@ -146,11 +148,64 @@ def multi_grad_hooks(rounds: int) -> Timings:
     return timings
 
 
+def multi_grad_registration(rounds: int) -> dict[str, Timings]:
+    """Registering and removing one multi-grad hook per bucket, as a reducer does per model."""
+
+    def on_bucket(grads: object) -> None:
+        pass
+
+    model = mlp(200)  # 200 weights + 200 biases = 400 parameters
+    params = list(model.parameters())
+    buckets = [params[i : i + 8] for i in range(0, len(params), 8)]
+    assert len(params) == 400
+    assert len(buckets) == 50
+
+    def cycle(register: Callable[..., Any], mode: str) -> Callable[[], None]:
+        def run() -> None:
+            handles = [register(bucket, on_bucket, mode=mode) for bucket in buckets]
+            for handle in handles:
+                handle.remove()
+
+        return run
+
+    results: dict[str, Timings] = {}
+    for mode in ("all", "any"):
+        # Both variants hook the same parameters, each removing its hooks before the other runs.
+        timings = interleaved(
+            {
+                "torch register_multi_grad_hook": cycle(torch_graph.register_multi_grad_hook, mode),
+                "tensorhooks register_multi_grad_hook": cycle(
+                    tensorhooks.register_multi_grad_hook, mode
+                ),
+            },
+            rounds=rounds,
+            inner=20,
+        )
+        print_table(
+            f"Multi-grad hooks, mode={mode!r}: registering and removing 50 hooks, one per bucket "
+            "of 8 of 400 parameters",
+            timings,
+            "torch register_multi_grad_hook",
+        )
+        ratio = timings.ratio(
+            "tensorhooks register_multi_grad_hook", "torch register_multi_grad_hook"
+        )
+        check_target(
+            f"multi-grad hooks registration and removal (mode {mode!r}), tensorhooks / torch",
+            ratio,
+            at_most=1.10,
+        )
+        results[mode] = timings
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument(
-        "--only", choices=("mlp", "transformer", "multigrad"), help="run one benchmark only"
+        "--only",
+        choices=("mlp", "transformer", "multigrad", "registration"),
+        help="run one benchmark only",
     )
     args = parser.parse_args()
     if args.only in (None, "mlp"):
@@ -159,6 +214,8 @@ def main() -> None:
         identity_hooks_transformer(args.rounds)
     if args.only in (None, "multigrad"):
         multi_grad_hooks(args.rounds)
+    if args.only in (None, "registration"):
+        multi_grad_registration(args.rounds)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable
+from types import CodeType
 from typing import Any, TypeVar
 
 from .torch_compat import skip_code_in_dynamo
@@ -95,14 +96,24 @@ def _fresh_entry(fn: Callable[..., Any]) -> Callable[..., Any]:
     return functools.wraps(fn)(entry)
 
 
+# Code objects `runs_eagerly` has marked, by id (a code object hashes its bytecode and constants
+# on every lookup), each held so that its id is never reused.
+_eager_code: dict[int, CodeType] = {}
+
+
 def runs_eagerly(fn: _F) -> _F:
     """Make ``fn``, and all it calls, run eagerly when it is called while a compiled function runs.
 
     For the functions autograd calls back (tensor hooks, end-of-task callbacks): Dynamo would
     otherwise compile each as a function of its own. See NOTE [Contexts under torch.compile].
-    Every function made by one ``def`` shares its code object, so marking one marks them all.
+    Every function made by one ``def`` shares its code object, so marking one marks them all:
+    a code object is marked once, at the first function of it that comes here, and the closures
+    made later from the same ``def`` only cost a dictionary look-up.
     """
-    skip_code_in_dynamo(fn.__code__)
+    code = fn.__code__
+    if id(code) not in _eager_code:
+        skip_code_in_dynamo(code)  # marked before it is recorded: no thread sees it unmarked
+        _eager_code[id(code)] = code
     return fn
 
 

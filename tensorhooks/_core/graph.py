@@ -65,8 +65,11 @@ def grad_node(tensor: torch.Tensor) -> Node:
     Holding a leaf's accumulator keeps it alive: autograd only caches it weakly, and a new one
     would be a different node from the one the engine runs.
     """
-    if tensor.grad_fn is not None:
-        return tensor.grad_fn
-    with torch.enable_grad():
-        accumulator: Node = tensor.view_as(tensor).grad_fn.next_functions[0][0]  # type: ignore[union-attr, assignment]  # a leaf requiring grad has one
+    grad_fn = tensor.grad_fn
+    if grad_fn is not None:
+        return grad_fn
+    if not torch.is_grad_enabled():  # entering enable_grad costs more than the view: only here
+        with torch.enable_grad():
+            return grad_node(tensor)
+    accumulator: Node = tensor.view_as(tensor).grad_fn.next_functions[0][0]  # type: ignore[union-attr, assignment]  # a leaf requiring grad has one
     return accumulator

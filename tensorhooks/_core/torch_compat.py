@@ -363,6 +363,8 @@ _set_code_exec_strategy: Callable[[Any, Any], None] = _required(
 )
 _FrameExecStrategy: Any = _required(torch, "_C._dynamo.eval_frame._FrameExecStrategy", "2.7")
 _FRAME_SKIP: Any = _required(torch, "_C._dynamo.eval_frame._FrameAction.SKIP", "2.7")
+# One strategy for every code object: ``set_code_exec_strategy`` copies it into the code's state.
+_SKIP_STRATEGY: Any = _FrameExecStrategy(_FRAME_SKIP, _FRAME_SKIP)
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -398,7 +400,7 @@ def skip_code_in_dynamo(code: Any) -> None:
     ``set_code_exec_strategy`` is what ``torch._dynamo.disable(recursive=True)`` amounts to, at no
     per-call cost, without importing ``torch._dynamo``. Known on torch 2.7.
     """
-    _set_code_exec_strategy(code, _FrameExecStrategy(_FRAME_SKIP, _FRAME_SKIP))
+    _set_code_exec_strategy(code, _SKIP_STRATEGY)
 
 
 class UnwrappedDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base

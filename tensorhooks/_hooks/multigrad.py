@@ -135,13 +135,12 @@ def _pending_states(task: GraphTaskState) -> list[_AllState]:
 
 
 def _register_all(
-    tensors: Sequence[torch.Tensor],
-    groups: dict[int, list[int]],
-    fn: AllHook,
-    registration: _Registration,
+    tensors: Sequence[torch.Tensor], fn: AllHook, registration: _Registration
 ) -> tuple[RemovableHandle, ...]:
     key = object()
     size = len(tensors)
+    groups = _positions(tensors)
+    # Every node before any hook: a backward on another thread may fire one at once.
     nodes = [grad_node(tensors[positions[0]]) for positions in groups.values()]
     current = graph_task_store.current
 
@@ -169,14 +168,14 @@ def _register_all(
         return hook
 
     return tuple(
-        tensors[positions[0]].register_hook(make_hook(tuple(positions)))  # type: ignore[no-untyped-call]  # untyped in torch's stubs
-        for positions in groups.values()
+        [
+            tensors[positions[0]].register_hook(make_hook(positions))  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+            for positions in groups.values()
+        ]
     )
 
 
-def _register_any(
-    tensors: Sequence[torch.Tensor], groups: dict[int, list[int]], fn: AnyHook
-) -> tuple[RemovableHandle, ...]:
+def _register_any(tensors: Sequence[torch.Tensor], fn: AnyHook) -> tuple[RemovableHandle, ...]:
     key = object()
 
     @functools.wraps(fn)
@@ -188,9 +187,13 @@ def _register_any(
         if task.claim(key, claim) is claim:
             fn(grad)
 
+    # As torch's: a tensor listed twice gets the hook twice, and the claim lets one call through.
     return tuple(
-        tensors[positions[0]].register_hook(hook)  # type: ignore[no-untyped-call]  # untyped in torch's stubs
-        for positions in groups.values()
+        [
+            tensor.register_hook(hook)  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+            for tensor in tensors
+            if tensor.requires_grad
+        ]
     )
 
 
@@ -277,35 +280,59 @@ def register_multi_grad_hook(
             "called; pass the tensors whose gradients fn waits for, such as "
             "list(model.parameters()), or do not register a hook for an empty group"
         )
+    # One look at the types on the common path: Tensors and Parameters need no further check.
+    subclassed = not _PLAIN_TYPES.issuperset(map(type, tensors))
+    if subclassed:
+        _check_tensors(tensors)
+    if not callable(fn):
+        raise HookArgumentTypeError(
+            f"register_multi_grad_hook: fn must be callable, got {fn!r} of type {type(fn).__name__}"
+        )
+    if subclassed:  # sharded parameters are DTensors: plain tensors need no look-up
+        _refuse_fsdp2_sharded(tensors)
+    registration = _Registration()
+    if mode == "all":
+        handles = _register_all(tensors, cast(AllHook, fn), registration)
+    else:
+        handles = _register_any(tensors, cast(AnyHook, fn))
+    return MultiGradHandle(handles, registration)
+
+
+# The types of tensors that cannot be FSDP2-sharded parameters: ``nn.Parameter(dtensor)`` is a
+# DTensor, not a Parameter (``Parameter.__new__`` keeps the type of a subclass).
+_PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
+def _check_tensors(tensors: Sequence[object]) -> None:
+    """Raise for an item of ``tensors`` that is not a tensor.
+
+    Raises:
+        HookArgumentTypeError: naming the first such item.
+    """
     for index, tensor in enumerate(tensors):
         if not isinstance(tensor, torch.Tensor):
             raise HookArgumentTypeError(
                 f"register_multi_grad_hook: tensors[{index}] is {tensor!r} of type "
                 f"{type(tensor).__name__}, not a torch.Tensor; pass only tensors"
             )
-    if not callable(fn):
-        raise HookArgumentTypeError(
-            f"register_multi_grad_hook: fn must be callable, got {fn!r} of type {type(fn).__name__}"
-        )
-    _refuse_fsdp2_sharded(tensors)
-    # One tensor hook per distinct tensor that can receive a gradient; a tensor listed twice
-    # fills every position it appears at.
-    groups: dict[int, list[int]] = {}
+
+
+def _positions(tensors: Sequence[torch.Tensor]) -> dict[int, tuple[int, ...]]:
+    """The positions of each distinct tensor that can get a gradient, by the tensor's id.
+
+    An "all" hook registers one tensor hook per distinct tensor; a tensor listed twice fills
+    every position it appears at.
+    """
+    groups: dict[int, tuple[int, ...]] = {}
     for index, tensor in enumerate(tensors):
         if tensor.requires_grad:
-            groups.setdefault(id(tensor), []).append(index)
-    registration = _Registration()
-    if mode == "all":
-        handles = _register_all(tensors, groups, cast(AllHook, fn), registration)
-    else:
-        handles = _register_any(tensors, groups, cast(AnyHook, fn))
-    return MultiGradHandle(handles, registration)
+            key = id(tensor)
+            groups[key] = (*groups[key], index) if key in groups else (index,)
+    return groups
 
 
 def _refuse_fsdp2_sharded(tensors: Sequence[torch.Tensor]) -> None:
     """Raise for a parameter sharded by FSDP2: autograd never gives it a gradient to hook."""
-    if not any(type(tensor) is not torch.Tensor for tensor in tensors):
-        return  # sharded parameters are DTensor Parameters: plain tensors need no look-up
     sharded = fsdp2_sharded_parameters()
     for index, tensor in enumerate(tensors):
         if id(tensor) in sharded:

@@ -285,6 +285,39 @@ def test_multi_grad_hook_under_backward_in_compiled_function(mode: str) -> None:
         torch.testing.assert_close(mine, torchs)
 
 
+@pytest.mark.parametrize("mode", ["all", "any"])
+def test_multi_grad_hooks_registered_again_are_marked_once_and_stay_eager(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Registered again, after a Dynamo reset too: nothing is marked, the hooks run eagerly."""
+    tensorhooks.register_multi_grad_hook([torch.ones(2, requires_grad=True)], print, mode=mode)
+    dynamo.reset()
+    marked: list[Any] = []
+    monkeypatch.setattr(_compile, "skip_code_in_dynamo", marked.append)
+    ours, our_calls = multi_grad_counts(tensorhooks.register_multi_grad_hook, mode)
+    assert marked == []
+    theirs, their_calls = multi_grad_counts(torch_graph.register_multi_grad_hook, mode)
+    assert all(ours[key] <= theirs[key] for key in theirs), (ours, theirs)
+    assert len(our_calls) == len(their_calls) == 2
+
+
+def test_runs_eagerly_marks_each_code_object_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Closures of one def share a code object: the first is marked, the others cost no mark."""
+    marked: list[Any] = []
+    monkeypatch.setattr(_compile, "skip_code_in_dynamo", marked.append)
+
+    def make() -> Callable[[], None]:
+        def hook() -> None:
+            return None
+
+        return hook
+
+    first, second = make(), make()
+    assert _compile.runs_eagerly(first) is first
+    assert _compile.runs_eagerly(second) is second
+    assert marked == [first.__code__]
+
+
 def test_pushing_a_users_function_leaves_it_compilable() -> None:
     """Only tensorhooks' own hook code is made to run eagerly; a user's function still compiles."""
 

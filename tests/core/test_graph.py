@@ -5,7 +5,7 @@ import torch
 import torch.autograd.graph as torch_graph
 
 import tensorhooks
-from tensorhooks._core.graph import REIMPLEMENTED
+from tensorhooks._core.graph import REIMPLEMENTED, grad_node
 
 
 def test_every_torch_graph_name_resolves() -> None:
@@ -81,3 +81,16 @@ def test_queue_callback_is_torchs_where_torch_has_it(monkeypatch: pytest.MonkeyP
         torch_graph, "__all__", [n for n in torch_graph.__all__ if n != "queue_callback"]
     )
     assert torch_only_names()["queue_callback"] is marker
+
+
+@pytest.mark.parametrize("grad_enabled", [True, False])
+def test_grad_node_is_the_node_backward_runs(grad_enabled: bool) -> None:
+    """A leaf's accumulator (grad mode on or off), a non-leaf's grad_fn: the graph's own nodes."""
+    leaf = torch.ones(2, requires_grad=True)
+    out = leaf * 2
+    with torch.set_grad_enabled(grad_enabled):
+        leaf_node, out_node = grad_node(leaf), grad_node(out)
+        assert torch.is_grad_enabled() is grad_enabled  # grad mode is left as it was
+    assert leaf_node is out.grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+    assert leaf_node is torch_graph.get_gradient_edge(leaf).node
+    assert out_node is out.grad_fn
