@@ -24,7 +24,9 @@ from tensorhooks._core.errors import (
 from tensorhooks._core.guards import PackHook, UnpackHook, current_save_guard, modified_message
 from tensorhooks._core.torch_compat import (
     CheckpointPolicy,
+    HigherOrderOperator,
     OpOverload,
+    OpOverloadPacket,
     TorchDispatchMode,
     include_inplace_or_view_key,
     is_cacheable_effect,
@@ -449,7 +451,7 @@ _DEFAULT_OFFLOAD = save_on_cpu(pin_memory=True, min_offload_bytes=0)
 
 
 def create_selective_checkpoint_contexts(
-    policy_fn_or_list: PolicyFn | list[OpOverload],
+    policy_fn_or_list: PolicyFn | list[Any],
     allow_cache_entry_mutation: bool = False,
     *,
     offload: save_on_cpu | None = None,
@@ -493,7 +495,7 @@ def create_selective_checkpoint_contexts(
 
     Raises:
         CheckpointArgumentValueError: if the list holds something other than an ``OpOverload``
-            (a ``ValueError``).
+            or a higher-order operator (a ``ValueError``).
         CheckpointArgumentTypeError: if ``policy_fn_or_list`` is neither callable nor a list, or
             ``offload`` is not a `save_on_cpu` (a ``TypeError``).
 
@@ -504,11 +506,17 @@ def create_selective_checkpoint_contexts(
     if isinstance(policy_fn_or_list, list):
         ops = list(policy_fn_or_list)
         for op in ops:
-            if not isinstance(op, OpOverload):
+            if not isinstance(op, (OpOverload, HigherOrderOperator)):
+                packet = isinstance(op, OpOverloadPacket)
                 raise CheckpointArgumentValueError(
-                    f"create_selective_checkpoint_contexts: expected OpOverloads in the list, got "
-                    f"{op!r} of type {type(op).__name__}; name an overload, such as "
-                    "torch.ops.aten.mm.default rather than torch.ops.aten.mm"
+                    "create_selective_checkpoint_contexts: Expected op in `op_list` to be an "
+                    f"OpOverload but got {op!r} of type {type(op).__name__}. "
+                    + (
+                        "Please update the OpOverloadPacket to a specific OpOverload: for "
+                        f"example, name {op!r}.default rather than {op!r}."
+                        if packet
+                        else "Name an overload, such as torch.ops.aten.mm.default."
+                    )
                 )
         saved = frozenset(ops)
 
@@ -519,8 +527,9 @@ def create_selective_checkpoint_contexts(
         policy_fn = policy_fn_or_list
     else:
         raise CheckpointArgumentTypeError(
-            "create_selective_checkpoint_contexts: policy_fn_or_list must be a function or a "
-            f"list of ops, got {policy_fn_or_list!r} of type {type(policy_fn_or_list).__name__}"
+            "create_selective_checkpoint_contexts: policy_fn_or_list must be either a function "
+            f"or a list of ops. Got {policy_fn_or_list!r} of type "
+            f"{type(policy_fn_or_list).__name__}."
         )
     if offload is None:
         offload = _DEFAULT_OFFLOAD

@@ -34,7 +34,7 @@ from torch._library import simple_registry as _simple_registry
 # and a higher-order operator (a checkpoint policy may be asked about one), the node base class,
 # and the dispatch-mode module with its base class: known on torch 2.4. A torch without them fails
 # this import with its own ImportError.
-from torch._ops import HigherOrderOperator, OpOverload
+from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
 from torch.autograd.graph import Node
 from torch.utils import _python_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -44,7 +44,9 @@ __all__ = [
     "SUPPORTED_FLOOR",
     "TORCH_VERSION",
     "CheckpointPolicy",
+    "HigherOrderOperator",
     "OpOverload",
+    "OpOverloadPacket",
     "TorchDispatchMode",
     "UnwrappedDispatchMode",
     "below_python_modes",

@@ -210,7 +210,7 @@ def test_selective_mismatch_raises_checkpoint_error() -> None:
 @pytest.mark.parametrize(
     ("argument", "error", "message"),
     [
-        ([aten.mm], tensorhooks.CheckpointArgumentValueError, "expected OpOverloads"),
+        ([aten.mm], tensorhooks.CheckpointArgumentValueError, "update the OpOverloadPacket"),
         (3, tensorhooks.CheckpointArgumentTypeError, "a function or a list"),
     ],
 )

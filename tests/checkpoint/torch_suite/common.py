@@ -26,25 +26,6 @@ both = pytest.mark.parametrize(
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def tensorhooks_xfails(reason: str) -> pytest.MarkDecorator:
-    """Run with both, expecting tensorhooks to fail (strictly) for ``reason``.
-
-    For a failure in a module of tensorhooks' checkpoint that this suite does not own; the
-    reason says what tensorhooks does wrong.
-    """
-    return pytest.mark.parametrize(
-        "ckpt",
-        [
-            pytest.param(torch_checkpoint, id="torch"),
-            pytest.param(
-                checkpointing,
-                id="tensorhooks",
-                marks=pytest.mark.xfail(strict=True, reason=reason),
-            ),
-        ],
-    )
-
-
 def torch_release_fails(reason: str) -> pytest.MarkDecorator:
     """Run with both, where the installed torch fails what the source commit's torch passes.
 

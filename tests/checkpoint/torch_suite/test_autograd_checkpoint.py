@@ -45,7 +45,6 @@ from tests.checkpoint.torch_suite.common import (
     gc_disabled,
     is_tensorhooks,
     requires_cuda,
-    tensorhooks_xfails,
     torch_release_fails,
 )
 
@@ -1204,10 +1203,7 @@ def test_subclass_dispatching_sizes(ckpt: ModuleType) -> None:
     assert x.grad is not None
 
 
-@tensorhooks_xfails(
-    "policies.py raises the right types, but without torch's words: \"Expected op in `op_list` "
-    'to be an OpOverload", "update the OpOverloadPacket", "either a function or a list of ops."'
-)
+@both
 def test_bad_inputs(ckpt: ModuleType) -> None:
     """A non-op or an op packet in the list is a ValueError, a non-callable a TypeError."""
     with pytest.raises(ValueError, match="Expected op in `op_list` to be an OpOverload"):
