@@ -80,8 +80,12 @@ def _tensors(value: object) -> Iterator[torch.Tensor]:
 
 
 def _call_again(state: _State, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """Recomputation's call of the module, noting the arguments its pre-hook must see."""
-    state.open.called = (args, kwargs)
+    """Recomputation's call of the module, noting the arguments its pre-hook must see.
+
+    With their versions: a pre-hook running before this module's own may write them in place
+    (``a[0].mul_(2)``) as well as replace them.
+    """
+    state.open.called = (args, kwargs, [t._version for t in _tensors((args, kwargs))])
     try:
         return module(*args, **kwargs)
     finally:
@@ -91,8 +95,9 @@ def _call_again(state: _State, module: nn.Module, *args: Any, **kwargs: Any) -> 
 _CHANGED_AGAIN = (
     "tensorhooks.checkpointing.checkpoint_module: a forward pre-hook of {name} that runs before "
     "checkpoint_module's (a global one, or one registered after it with prepend=True) changed "
-    "the arguments in recomputation, as it did in the forward pass, so the region would be run "
-    "again on arguments changed twice and give a wrong gradient. Register that hook before "
+    "the arguments in recomputation (replaced them, or wrote them in place), as it did in the "
+    "forward pass, so the region would be run again on arguments changed twice and give a "
+    "wrong gradient. Register that hook before "
     "calling checkpoint_module (it then runs inside the region), or make it return the "
     "arguments unchanged when they are already what it returns."
 )
@@ -241,9 +246,13 @@ def _check_called_with(
     called = getattr(state.open, "called", None)
     if called is None:
         return
-    passed = list(_tensors(called))
+    passed = list(_tensors(called[:2]))
     seen = list(_tensors((args, kwargs)))
-    if len(passed) != len(seen) or any(a is not b for a, b in zip(passed, seen, strict=True)):
+    if (
+        len(passed) != len(seen)
+        or any(a is not b for a, b in zip(passed, seen, strict=True))
+        or [t._version for t in seen] != called[2]
+    ):
         raise torch.utils.checkpoint.CheckpointError(
             _CHANGED_AGAIN.format(name=type(module).__name__)
         )

@@ -75,9 +75,10 @@ __all__ = ["DETERMINISM_CHECKS", "Frame", "is_recomputing", "raise_changed_input
 # same values. A recomputed tensor that the function changes in place after saving it (a write
 # inside the region) would reach backward changed: after each recomputation the kept tensors'
 # versions are compared with their versions when kept, and on a difference the recomputation
-# runs once more keeping clones (and keeps clones from then on). So backward always reads the
-# save-time value, where plain autograd would raise its in-place error and torch's checkpoint
-# silently uses the changed value.
+# runs once more keeping clones of the positions that changed (and keeps clones of those from
+# then on; the others are kept as they are). So backward always reads the save-time value, where
+# plain autograd would raise its in-place error and torch's checkpoint silently uses the changed
+# value.
 #
 # A cycle. An input that the forward pass changes in place gets a ``grad_fn`` inside the region,
 # whose nodes hold the holders, which hold the frame. Were the frame to hold the input still,
@@ -171,7 +172,7 @@ class _Recomputation:
 
     def __init__(self) -> None:
         self.tensors: dict[int, torch.Tensor] = {}
-        self.kept: list[tuple[torch.Tensor, int]] = []
+        self.kept: list[tuple[int, torch.Tensor, int]] = []  # position, tensor, its version
         # What recomputation reads instead of tensors from elsewhere (see substitution.py).
         self.substitution: Substitution | None = None
         self.reads: RecomputedReads | None = None  # checked against the forward pass's (reads.py)
@@ -186,8 +187,9 @@ class _Recomputation:
         self.count = 0
         self.ignore_mismatch = False
 
-    def changed_in_place(self) -> bool:
-        return any(tensor._version != version for tensor, version in self.kept)
+    def changed_in_place(self) -> set[int]:
+        """The positions whose kept tensor recomputation changed in place after keeping it."""
+        return {index for index, tensor, version in self.kept if tensor._version != version}
 
 
 _NO_ARGUMENTS = Arguments((), {}, [])
@@ -251,7 +253,9 @@ class Frame:
         self.arguments = _NO_ARGUMENTS  # the region's, set before its forward pass runs
         self.forward_completed = False
         self.clone_inputs = False
-        self.clone_saves = False
+        # Positions whose recomputed tensor the function changes in place after saving it: kept
+        # as clones (NOTE [Checkpointing on saved-tensor hooks], "In-place writes").
+        self.clone_saves: set[int] = set()
         # What the graph-task store files this frame's recomputation under: not the frame, which
         # the store would keep alive (see NOTE [Checkpointing on saved-tensor hooks]).
         self.key = object()
@@ -325,9 +329,10 @@ class Frame:
         state.substitution = Substitution(values) if values else None
         rebindings = [] if self.reached is None else self.reached.rebindings()
         self._run_again(state, inputs, rebindings, full=bool(verify))
-        if state.changed_in_place():
+        changed = state.changed_in_place()
+        if changed:
             # See NOTE [Checkpointing on saved-tensor hooks], "In-place writes".
-            self.clone_saves = True
+            self.clone_saves |= changed
             state.reset()
             self._run_again(state, unpacked(self.inputs()), rebindings, full=bool(verify))
         state.kept.clear()
@@ -457,10 +462,10 @@ def _keep_recomputed(
             state.reads.saved(index, tensor)
         if state.substitution is not None:
             kept = state.substitution.saved(kept)
-        if frame.clone_saves:
+        if index in frame.clone_saves:
             kept = _clone_below_modes(kept)
         state.tensors[index] = kept
-        state.kept.append((kept, kept._version))
+        state.kept.append((index, kept, kept._version))
     if stop and frame.early_stop and index + 1 == total:
         raise _StopRecomputation
     return kept
