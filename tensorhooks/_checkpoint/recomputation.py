@@ -89,8 +89,8 @@ __all__ = ["DETERMINISM_CHECKS", "Frame", "is_recomputing", "raise_changed_input
 #
 # Tensors from elsewhere. A tensor that the function reaches other ways (a module's parameters
 # and buffers, a closure's tensors, the base of a view it saved) is read again by recomputation,
-# which must read what the forward pass read: see NOTE [Tensors a region reaches outside its
-# arguments] in state.py.
+# which must read what the forward pass read: see NOTE [What a region read] in reads.py and
+# NOTE [State a region reaches] in state.py.
 #
 # Both pairs are wrapped by the save guard of the thread that pushes them, like every pair of the
 # toolkit, and registered as protected: the region's pack keeps no tensor data, and the

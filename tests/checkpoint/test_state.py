@@ -1,4 +1,4 @@
-"""Tensors a region reaches outside its arguments: changed before backward, or written by it."""
+"""Tensors a region reaches outside its arguments: changed before backward, rebound, written."""
 
 from __future__ import annotations
 
