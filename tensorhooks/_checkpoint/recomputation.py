@@ -76,9 +76,10 @@ __all__ = ["DETERMINISM_CHECKS", "Frame", "is_recomputing", "raise_changed_input
 # inside the region) would reach backward changed: after each recomputation the kept tensors'
 # versions are compared with their versions when kept, and on a difference the recomputation
 # runs once more keeping clones of the positions that changed (and keeps clones of those from
-# then on; the others are kept as they are). So backward always reads the save-time value, where
-# plain autograd would raise its in-place error and torch's checkpoint silently uses the changed
-# value.
+# then on; the others are kept as they are). The positions are remembered by the function's code
+# (or its module's class), so the next call of the same block clones them on its first run. So
+# backward always reads the save-time value, where plain autograd would raise its in-place error
+# and torch's checkpoint silently uses the changed value.
 #
 # A cycle. An input that the forward pass changes in place gets a ``grad_fn`` inside the region,
 # whose nodes hold the holders, which hold the frame. Were the frame to hold the input still,
@@ -194,6 +195,27 @@ class _Recomputation:
 
 _NO_ARGUMENTS = Arguments((), {}, [])
 
+# The positions each checkpointed code (a function's code object, a module's class) changes in
+# place after saving, learned by recomputation: the next call's first recomputation clones them
+# at once instead of running twice. Bounded by the program's code.
+_WRITTEN_AFTER_SAVE: dict[object, frozenset[int]] = {}
+
+
+def _code_of(function: Callable[..., Any]) -> object:
+    """What calls of ``function`` share: its code object, or its module's class.
+
+    A ``functools.partial`` counts the classes of the modules it carries too
+    (`checkpoint_module` runs every module through one function).
+    """
+    carried: tuple[type, ...] = ()
+    while isinstance(function, functools.partial):
+        carried += tuple(type(a) for a in function.args if isinstance(a, torch.nn.Module))
+        function = function.func
+    code = getattr(function, "__code__", None)
+    if code is None:
+        code = getattr(getattr(function, "__func__", None), "__code__", None) or type(function)
+    return (code, *carried) if carried else code
+
 
 class Frame:
     """One call of `checkpoint`: how to run the region again, and what its forward saved."""
@@ -254,8 +276,9 @@ class Frame:
         self.forward_completed = False
         self.clone_inputs = False
         # Positions whose recomputed tensor the function changes in place after saving it: kept
-        # as clones (NOTE [Checkpointing on saved-tensor hooks], "In-place writes").
-        self.clone_saves: set[int] = set()
+        # as clones (NOTE [Checkpointing on saved-tensor hooks], "In-place writes"), starting
+        # from what earlier calls of the same code learned.
+        self.clone_saves: set[int] = set(_WRITTEN_AFTER_SAVE.get(_code_of(run), ()))
         # What the graph-task store files this frame's recomputation under: not the frame, which
         # the store would keep alive (see NOTE [Checkpointing on saved-tensor hooks]).
         self.key = object()
@@ -333,6 +356,7 @@ class Frame:
         if changed:
             # See NOTE [Checkpointing on saved-tensor hooks], "In-place writes".
             self.clone_saves |= changed
+            _WRITTEN_AFTER_SAVE[_code_of(self.run)] = frozenset(self.clone_saves)
             state.reset()
             self._run_again(state, unpacked(self.inputs()), rebindings, full=bool(verify))
         state.kept.clear()
