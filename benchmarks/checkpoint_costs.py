@@ -9,7 +9,7 @@ spend:
    peak above the start, and the bytes still allocated when the step ends with the collector
    off (a reference cycle would leave its tensors there):
    - 8 blocks each writing a 1 MiB buffer in place (an EMA), with the first step discarded
-     (the first call of a region copies what it reaches once, to learn what it writes);
+     (the first call of a block's code copies what it reaches once, to learn what it writes);
    - a 1 MiB table read by one region (a step after the first);
    - 64 blocks reached through a closure over the parent module, with batch norm;
    - a region that writes a tensor it saved in place (torch's checkpoint hands backward the

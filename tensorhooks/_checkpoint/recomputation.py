@@ -37,7 +37,7 @@ from tensorhooks._core.torch_compat import (
 from .arguments import Arguments
 from .reads import GraphReads, RecomputedReads, describe, tensors_in, unpacked
 from .replay import RegionState
-from .state import CallWatch, ReachedState, Rebinding
+from .state import CallWatch, ReachedState, Rebinding, code_of
 from .substitution import Substitution
 
 __all__ = ["DETERMINISM_CHECKS", "Frame", "is_recomputing", "raise_changed_input", "unpack_holder"]
@@ -201,22 +201,6 @@ _NO_ARGUMENTS = Arguments((), {}, [])
 _WRITTEN_AFTER_SAVE: dict[object, frozenset[int]] = {}
 
 
-def _code_of(function: Callable[..., Any]) -> object:
-    """What calls of ``function`` share: its code object, or its module's class.
-
-    A ``functools.partial`` counts the classes of the modules it carries too
-    (`checkpoint_module` runs every module through one function).
-    """
-    carried: tuple[type, ...] = ()
-    while isinstance(function, functools.partial):
-        carried += tuple(type(a) for a in function.args if isinstance(a, torch.nn.Module))
-        function = function.func
-    code = getattr(function, "__code__", None)
-    if code is None:
-        code = getattr(getattr(function, "__func__", None), "__code__", None) or type(function)
-    return (code, *carried) if carried else code
-
-
 class Frame:
     """One call of `checkpoint`: how to run the region again, and what its forward saved."""
 
@@ -278,7 +262,7 @@ class Frame:
         # Positions whose recomputed tensor the function changes in place after saving it: kept
         # as clones (NOTE [Checkpointing on saved-tensor hooks], "In-place writes"), starting
         # from what earlier calls of the same code learned.
-        self.clone_saves: set[int] = set(_WRITTEN_AFTER_SAVE.get(_code_of(run), ()))
+        self.clone_saves: set[int] = set(_WRITTEN_AFTER_SAVE.get(code_of(run), ()))
         # What the graph-task store files this frame's recomputation under: not the frame, which
         # the store would keep alive (see NOTE [Checkpointing on saved-tensor hooks]).
         self.key = object()
@@ -349,14 +333,14 @@ class Frame:
                 if storage_key(item[0]) not in substituted
             )
             graph.check_saved({storage_key(tensor) for tensor, _ in values}, namer)
-        state.substitution = Substitution(values) if values else None
+        state.substitution = Substitution(values, verify) if values else None
         rebindings = [] if self.reached is None else self.reached.rebindings()
         self._run_again(state, inputs, rebindings, full=bool(verify))
         changed = state.changed_in_place()
         if changed:
             # See NOTE [Checkpointing on saved-tensor hooks], "In-place writes".
             self.clone_saves |= changed
-            _WRITTEN_AFTER_SAVE[_code_of(self.run)] = frozenset(self.clone_saves)
+            _WRITTEN_AFTER_SAVE[code_of(self.run)] = frozenset(self.clone_saves)
             state.reset()
             self._run_again(state, unpacked(self.inputs()), rebindings, full=bool(verify))
         state.kept.clear()

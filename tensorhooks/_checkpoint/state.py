@@ -23,7 +23,7 @@ from tensorhooks._core.torch_compat import below_python_modes, storage_key
 
 from .messages import describe
 
-__all__ = ["CallWatch", "ReachedState", "Rebinding", "tracked_form"]
+__all__ = ["CallWatch", "ReachedState", "Rebinding", "code_of", "tracked_form"]
 
 # NOTE [State a region reaches]
 #
@@ -59,14 +59,15 @@ __all__ = ["CallWatch", "ReachedState", "Rebinding", "tracked_form"]
 # moving their version, count as written whenever the module trains with them) is read in
 # recomputation through a stand-in holding its value before the write, and recomputation's own
 # writes go to that stand-in (NOTE [Stand-ins for state a region wrote]). The value before the
-# write is a copy taken at the call; a copy is taken the first time any region reaches a tensor,
-# and afterwards only of the tensors a region wrote before, so a read-only buffer or table is
-# copied once in the life of the program, never per call. Inside
-# ``allow_mutation_on_saved_tensors`` the context keeps every recorded tensor's value instead.
-# A tensor written for the first time after it was first reached has no copy: recomputation then
-# starts its stand-in from the value the forward pass left, runs to the end, and must leave the
-# stand-in equal to that value (a write that gives the same result again, as a renormalisation
-# does), or backward raises `CheckpointError` naming it; from then on it is copied.
+# write is a copy taken at the call; a copy is taken the first time the regions of one code (a
+# function's code object, a module's class: `code_of`) reach a tensor, and afterwards only of the
+# tensors a region wrote before, so a read-only buffer or table is copied once per block type in
+# the life of the program, never per call. Inside ``allow_mutation_on_saved_tensors`` the context
+# keeps every recorded tensor's value instead. A tensor written with no copy (data-dependent
+# control flow writing it for the first time) gets a stand-in starting from the value the
+# forward pass left: writing it again harms nothing, and recomputation must not read it before
+# its own write, nor after a write that does not give the same value again (a counter, unlike a
+# renormalisation), or backward raises `CheckpointError` naming it; it is copied from then on.
 #
 # Checks. A recorded tensor the forward pass did not write, changed in place (or its data
 # swapped) between the forward pass and backward, raises `SavedTensorModifiedError` naming it
@@ -94,18 +95,34 @@ _MISSING = object()
 _RUNNING_STATS = ("running_mean", "running_var")
 
 
+def code_of(function: Callable[..., Any]) -> object:
+    """What calls of ``function`` share: its code object, or its module's class.
+
+    A ``functools.partial`` counts the classes of the modules it carries too
+    (`checkpoint_module` runs every module through one function).
+    """
+    carried: tuple[type, ...] = ()
+    while isinstance(function, functools.partial):
+        carried += tuple(type(a) for a in function.args if isinstance(a, torch.nn.Module))
+        function = function.func
+    code = getattr(function, "__code__", None)
+    if code is None:
+        code = getattr(getattr(function, "__func__", None), "__code__", None) or type(function)
+    return (code, *carried) if carried else code
+
+
 class _Known:
-    """Tensors some region reached before, and those a region wrote: by id, held weakly."""
+    """What regions reached before (by code), and what a region wrote: by id, held weakly."""
 
     __slots__ = ("reached", "written")
 
     def __init__(self) -> None:
-        self.reached: dict[int, weakref.ref[torch.Tensor]] = {}
+        self.reached: dict[tuple[int, object], weakref.ref[torch.Tensor]] = {}
         self.written: dict[int, weakref.ref[torch.Tensor]] = {}
 
-    def first_reach(self, tensor: torch.Tensor) -> bool:
-        """True the first time any region reaches ``tensor`` (it is then remembered)."""
-        key = id(tensor)
+    def first_reach(self, tensor: torch.Tensor, code: object) -> bool:
+        """True the first time regions of ``code`` reach ``tensor`` (it is then remembered)."""
+        key = (id(tensor), code)
         ref = self.reached.get(key)
         if ref is not None and ref() is tensor:
             return False
@@ -121,7 +138,7 @@ class _Known:
         self.written[key] = weakref.ref(tensor, functools.partial(_forget, self.written, key))
 
 
-def _forget(table: dict[int, Any], key: int, ref: weakref.ref[torch.Tensor]) -> None:
+def _forget(table: dict[Any, Any], key: object, ref: weakref.ref[torch.Tensor]) -> None:
     if table.get(key) is ref:
         del table[key]
 
@@ -492,12 +509,14 @@ def _is_plain_object(value: object) -> bool:
 class CallWatch:
     """Records, when a region starts, the state it reaches by structure. See NOTE [State...]."""
 
-    __slots__ = ("_called", "_cells", "_pair", "_reads")
+    __slots__ = ("_called", "_cells", "_code", "_pair", "_read_ids", "_reads")
 
     def __init__(self, function: Callable[..., Any], pair: tuple[PackHook, UnpackHook] | None):
         self._pair = pair  # allow_mutation_on_saved_tensors' pack and unpack, inside it
+        self._code = code_of(function)  # what this region's calls share
         self._called: dict[int, _Called | _Mode] = {}
         self._reads: list[_Read] = []
+        self._read_ids: set[int] = set()  # the reads hold their tensors: ids stay theirs
         self._cells: list[_Slot] = []
         owner = _owning_module(function)
         if owner is not None:  # the function is a module, or a method of one: all it holds
@@ -542,11 +561,14 @@ class CallWatch:
                     self._read(_attribute_name(type(module), key), parameter, hidden=False)
 
     def _read(self, name: Callable[[], str], tensor: torch.Tensor, *, hidden: bool) -> None:
+        if id(tensor) in self._read_ids:  # reached by two names: one record
+            return
+        self._read_ids.add(id(tensor))
         read = _Read(name, tensor, hidden)
         if hidden or (
             self._pair is None
             and not tensor.requires_grad
-            and (_known.first_reach(tensor) or _known.was_written(tensor))
+            and (_known.first_reach(tensor, self._code) or _known.was_written(tensor))
         ):
             # Batch norm's kernels write without a version move the context could see.
             with below_python_modes(), torch.no_grad():
@@ -674,16 +696,16 @@ class ReachedState:
             )
 
     def not_reproduced(self, tensor: torch.Tensor) -> CheckpointError:
-        """The error for a written tensor whose write recomputation did not give again."""
+        """The error for written state recomputation read without its value before the write."""
         name = next((read.name() for read in self._reads if read.tensor is tensor), "a tensor")
         return CheckpointError(
             f"tensorhooks.checkpoint: the checkpointed function changed {name} in place during "
-            "its forward pass, for the first time since a checkpointed region first read it, so "
-            "its value before that write was not kept; recomputation started from the value the "
-            "write left and did not give it again, so it cannot read what the forward pass read. "
-            "From the next call on, its value is kept before the region runs. Make the write "
-            "outside the checkpointed function, or run the step inside "
-            "tensorhooks.allow_mutation_on_saved_tensors() (which keeps its value)."
+            "its forward pass, for the first time since a checkpointed region first reached it, "
+            "so its value before that write was not kept; and it reads it (before that write, or "
+            "after a write that does not give the same value again), so recomputation cannot "
+            "read what the forward pass read. From the next call on, its value is kept before the "
+            "region runs. Make the write outside the checkpointed function, or run the step "
+            "inside tensorhooks.allow_mutation_on_saved_tensors() (which keeps its value)."
         )
 
 

@@ -13,6 +13,7 @@ import torch
 from tensorhooks._core.torch_compat import (
     TorchDispatchMode,
     below_python_modes,
+    op_schema,
     returns_alias,
     set_version_counters,
     storage_key,
@@ -35,6 +36,13 @@ __all__ = ["Substitution"]
 #
 # The mode holds the substitution through an attribute, never through a closure that refers to
 # itself: such a cycle would keep every stand-in alive until the collector runs.
+#
+# State written with no copy of its value before the write (NOTE [State a region reaches]) gets a
+# stand-in holding the value the write left. Writing it again is harmless (the real tensor is
+# left as the forward pass left it); reading it is not: read before recomputation's own write, it
+# holds another value than the forward pass read, and read after a write that does not give the
+# same value again (a counter, as opposed to a renormalisation) too. The mode notes, for these
+# stand-ins only, each read by an op that does not write it, and whether a write came before.
 
 
 def _over(storage: torch.UntypedStorage, like: torch.Tensor) -> torch.Tensor:
@@ -51,10 +59,19 @@ def _copy(storage: torch.UntypedStorage) -> torch.UntypedStorage:
 class Substitution:
     """Stand-in storages holding what the forward pass read, for the storages of some tensors."""
 
-    __slots__ = ("storages", "tensors", "versions")
+    __slots__ = ("reads", "storages", "tensors", "versions")
 
-    def __init__(self, values: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(
+        self,
+        values: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        watched: Sequence[torch.Tensor] = (),
+    ) -> None:
         self.storages: dict[int | None, torch.UntypedStorage] = {}
+        # For each watched storage (state written with no copy): [written yet, read before a
+        # write, read after one].
+        self.reads: dict[int | None, list[bool]] = {
+            storage_key(tensor): [False, False, False] for tensor in watched
+        }
         self.tensors = tuple(tensor for tensor, _ in values)
         self.versions = tuple(tensor._version for tensor in self.tensors)
         with below_python_modes(), torch.no_grad():
@@ -82,14 +99,38 @@ class Substitution:
             return swapped.clone()
 
     def reproduced(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor``'s stand-in holds ``tensor``'s own value after recomputation.
+        """Whether recomputation read what the forward pass read of a watched ``tensor``.
 
         For state the forward pass wrote with no copy of its value before the write: the
-        stand-in started from the value after it, and recomputation wrote it again; equal, the
-        write gave what it gave in the forward pass (a renormalisation, a cache filled again).
+        stand-in started from the value after it. Never read otherwise than by its own writes,
+        or read only after a write that gave its value again (a renormalisation, a cache filled
+        again), it read what the forward pass read.
         """
+        _, before, after = self.reads[storage_key(tensor)]
+        if before:
+            return False
+        if not after:
+            return True
         with below_python_modes():
             return bool(torch.equal(self.swap(tensor), tensor))
+
+    def note(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """Note the watched storages ``func`` reads without writing them, and those it writes."""
+        reads = self.reads
+        arguments = op_schema(func).arguments
+        for position, argument in enumerate(arguments):
+            value = kwargs.get(argument.name) if position >= len(args) else args[position]
+            for tensor in value if isinstance(value, (list, tuple)) else (value,):
+                if not isinstance(tensor, torch.Tensor):
+                    continue
+                state = reads.get(storage_key(tensor))
+                if state is None:
+                    continue
+                info = argument.alias_info
+                if info is not None and info.is_write:
+                    state[0] = True
+                else:
+                    state[1 if not state[0] else 2] = True
 
     def restore_versions(self) -> None:
         """Undo the version moves of the real tensors: the recomputation wrote the stand-ins.
@@ -123,6 +164,8 @@ class _Substitute(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untype
         aliased, writes = returns_alias(func)
         if aliased and not writes:  # a view: keep autograd's view of the real tensor
             return func(*args, **kwargs)
+        if self.substitution.reads:
+            self.substitution.note(func, args, kwargs)
         originals: dict[int, torch.Tensor] = {}
         result = func(
             *self._swap(tuple(args), originals),
