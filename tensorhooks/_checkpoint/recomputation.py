@@ -300,6 +300,7 @@ class Frame:
         assert graph is not None
         assert self.watch is not None
         if not self.holders:  # nothing saved: never recomputed, nothing to hold it to
+            self.watch.learn()
             self.abandon()
             self.graph = None
             return

@@ -578,6 +578,15 @@ class CallWatch:
                 read.handle = self._pair[0](tracked_form(tensor))
         self._reads.append(read)
 
+    def learn(self) -> None:
+        """Only note what the forward pass wrote, so that the next region reaching it copies it.
+
+        For a region that saved nothing: it is never recomputed.
+        """
+        for read in self._reads:
+            if read.written or read.tensor._version != read.version:
+                _known.note_written(read.tensor)
+
     def seal(self, input_storages: Callable[[], set[int | None]]) -> ReachedState | None:
         """What the forward pass left: the reads written, the bindings recomputation restores."""
         reads = self._reads
