@@ -223,25 +223,29 @@ class GraphReads:
 
     def _walk(self, roots: list[Node], start: int, end: int) -> None:
         inputs, leaves, outer = self.inputs, self.leaves, self.outer
+        accumulator = _ACCUMULATE_GRAD
         stack = [root for root in roots if id(root) not in inputs and start <= sequence_nr(root)]
         # Every node met is held: torch 2.11 makes a new Python object for a node at each
         # `next_functions` read, and a freed one's id would be taken by the next.
         seen = {id(node): node for node in stack}
         while stack:
             for following, _ in stack.pop().next_functions:
-                if following is None or id(following) in seen:
+                if following is None:
                     continue
-                seen[id(following)] = following
-                if type(following) is _ACCUMULATE_GRAD:
+                key = id(following)
+                if key in seen:
+                    continue
+                seen[key] = following
+                if type(following) is accumulator:
                     # An input that is a leaf too: the function may also read it by name.
                     leaf = _leaf_of(following)
                     leaves[id(leaf)] = _Leaf(leaf)
-                elif id(following) in inputs:
+                elif key in inputs:
                     continue
                 elif start <= sequence_nr(following) < end:
                     stack.append(following)
                 else:
-                    outer[id(following)] = following
+                    outer[key] = following
 
     def note_saved(self, index: int, base: torch.Tensor, version: int, outputs: set[int]) -> None:
         """The forward pass saved ``base`` (at ``version``) at ``index``: note it if from outside.
@@ -449,6 +453,7 @@ class RecomputedReads:
     def _unknown_leaves(self) -> Iterator[tuple[str, weakref.ref[torch.Tensor], None]]:
         """The leaves of recomputation's graph the forward pass did not read, held weakly."""
         known, entries = self._known, self._entries
+        accumulator = _ACCUMULATE_GRAD
         stack: list[Node] = [
             node
             for root in self._roots
@@ -457,10 +462,13 @@ class RecomputedReads:
         seen: dict[int, Node] = {id(node): node for node in stack}
         while stack:
             for following, _ in stack.pop().next_functions:
-                if following is None or id(following) in seen or id(following) in entries:
+                if following is None:
                     continue
-                seen[id(following)] = following
-                if type(following) is not _ACCUMULATE_GRAD:
+                key = id(following)
+                if key in seen or key in entries:
+                    continue
+                seen[key] = following
+                if type(following) is not accumulator:
                     stack.append(following)
                     continue
                 leaf = _leaf_of(following)

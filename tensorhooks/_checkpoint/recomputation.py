@@ -209,6 +209,7 @@ class Frame:
         "arguments",
         "clone_inputs",
         "clone_saves",
+        "code",
         "early_stop",
         "error_cb",
         "forward_completed",
@@ -262,7 +263,8 @@ class Frame:
         # Positions whose recomputed tensor the function changes in place after saving it: kept
         # as clones (NOTE [Checkpointing on saved-tensor hooks], "In-place writes"), starting
         # from what earlier calls of the same code learned.
-        self.clone_saves: set[int] = set(_WRITTEN_AFTER_SAVE.get(code_of(run), ()))
+        self.code = code_of(run)
+        self.clone_saves: frozenset[int] = _WRITTEN_AFTER_SAVE.get(self.code, frozenset())
         # What the graph-task store files this frame's recomputation under: not the frame, which
         # the store would keep alive (see NOTE [Checkpointing on saved-tensor hooks]).
         self.key = object()
@@ -286,7 +288,7 @@ class Frame:
         """The forward pass starts: watch what it reaches (NOTE [State a region reaches])."""
         self.pair = pair
         self.graph = GraphReads(tensors)
-        self.watch = CallWatch(function, pair)
+        self.watch = CallWatch(function, self.code, pair)
         self.start = next_sequence_nr()
 
     def abandon(self) -> None:
@@ -341,7 +343,7 @@ class Frame:
         if changed:
             # See NOTE [Checkpointing on saved-tensor hooks], "In-place writes".
             self.clone_saves |= changed
-            _WRITTEN_AFTER_SAVE[code_of(self.run)] = frozenset(self.clone_saves)
+            _WRITTEN_AFTER_SAVE[self.code] = self.clone_saves
             state.reset()
             self._run_again(state, unpacked(self.inputs()), rebindings, full=bool(verify))
         state.kept.clear()

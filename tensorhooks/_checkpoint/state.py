@@ -101,6 +101,8 @@ def code_of(function: Callable[..., Any]) -> object:
     A ``functools.partial`` counts the classes of the modules it carries too
     (`checkpoint_module` runs every module through one function).
     """
+    if isinstance(function, torch.nn.Module):
+        return type(function)  # (asked first: a module's getattr of a missing name is slow)
     carried: tuple[type, ...] = ()
     while isinstance(function, functools.partial):
         carried += tuple(type(a) for a in function.args if isinstance(a, torch.nn.Module))
@@ -511,9 +513,11 @@ class CallWatch:
 
     __slots__ = ("_called", "_cells", "_code", "_pair", "_read_ids", "_reads")
 
-    def __init__(self, function: Callable[..., Any], pair: tuple[PackHook, UnpackHook] | None):
+    def __init__(
+        self, function: Callable[..., Any], code: object, pair: tuple[PackHook, UnpackHook] | None
+    ) -> None:
         self._pair = pair  # allow_mutation_on_saved_tensors' pack and unpack, inside it
-        self._code = code_of(function)  # what this region's calls share
+        self._code = code  # what this region's calls share: `code_of`
         self._called: dict[int, _Called | _Mode] = {}
         self._reads: list[_Read] = []
         self._read_ids: set[int] = set()  # the reads hold their tensors: ids stay theirs
