@@ -145,7 +145,10 @@ class _Leaf:
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
         self.version = tensor._version
-        self.storage = storage_key(tensor)
+        # A weight left empty by the forward pass is gathered for each use and released after
+        # (ZeRO-3's hooks swap ``p.data``): what recomputation reads is what those hooks gather
+        # then, and its storage before backward says nothing.
+        self.storage = storage_key(tensor) if tensor.numel() else None
         self.swaps = moves(tensor)
         self.handle: Any = None
 
@@ -296,7 +299,8 @@ class GraphReads:
         """
         for leaf in self.leaves.values():
             tensor = leaf.tensor
-            if storage_key(tensor) != leaf.storage and moves(tensor) == leaf.swaps:
+            swapped = leaf.storage is not None and storage_key(tensor) != leaf.storage
+            if swapped and moves(tensor) == leaf.swaps:
                 raise SavedTensorModifiedError(not_written_message(namer(tensor)))
             if (
                 leaf.storage in self.written_inputs

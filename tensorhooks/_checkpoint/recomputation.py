@@ -309,7 +309,8 @@ class Frame:
         outputs = tensors_in(output)
         graph.walk(outputs, self.start, next_sequence_nr())
         inputs = [weakref.ref(tensor) for tensor in tensors]
-        self.reached = self.watch.seal(functools.partial(_storages, inputs))
+        leaves = (leaf.tensor for leaf in graph.leaves.values())  # read only if needed
+        self.reached = self.watch.seal(functools.partial(_storages, inputs), leaves)
         self.watch = None
         returned = {id(tensor) for tensor in outputs}
         for index, (ref, version) in enumerate(self.saved):

@@ -9,7 +9,7 @@ import contextlib
 import functools
 import types
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -78,15 +78,14 @@ __all__ = ["CallWatch", "ReachedState", "Rebinding", "code_of", "tracked_form"]
 # module called, two shallow dict copies and the versions of its buffers; no tensor copied once
 # the program has run a step, but for state the region writes.
 
-# The bindings recomputation restores: tensors, and what a tensor binding starts from or is
-# kept in (None, a tuple: ``self.hidden = (h, c)``). Python numbers are left to run as in torch,
-# so a counter a module keeps counts recomputations too (as code written for torch expects);
-# a module's mode, ``training``, is restored whatever it is.
-_RESTORABLE = (torch.Tensor, tuple, type(None))
+# The bindings recomputation restores: tensors and the values state is kept in (numbers, None,
+# strings, tuples). Other objects (lists, dicts, modules, functions) are not rebound: what they
+# hold is reached through them.
+_RESTORABLE = (torch.Tensor, int, float, bool, complex, str, tuple, type(None))
 
 
 def _restorable(key: object, value: object, now: object) -> bool:
-    return isinstance(value, _RESTORABLE) or isinstance(now, torch.Tensor) or key == "training"
+    return isinstance(value, _RESTORABLE) or isinstance(now, torch.Tensor)
 
 
 _MISSING = object()
@@ -156,6 +155,7 @@ class _Read:
         "before",
         "handle",
         "name",
+        "scratch",
         "storage",
         "swaps",
         "tensor",
@@ -170,6 +170,9 @@ class _Read:
         self.written = hidden  # batch norm's running statistics: written, whatever the version
         self.before: torch.Tensor | None = None  # its value at the call, where copied
         self.handle: Any = None  # what allow_mutation_on_saved_tensors kept of it
+        # Found after the forward pass (batch norm's statistics, reached through a module the
+        # function holds): recomputation writes a stand-in of the value the forward pass left.
+        self.scratch = False
         self.storage: int | None = None  # recorded at seal, for the unwritten ones
         self.swaps = 0
 
@@ -207,7 +210,7 @@ class _Bindings:
         changes.extend(
             Rebinding(live, key, _MISSING, live[key])
             for key in self.added
-            if key in live and isinstance(live[key], (torch.Tensor, tuple))
+            if key in live and isinstance(live[key], _RESTORABLE)
         )
         return changes
 
@@ -511,7 +514,7 @@ def _is_plain_object(value: object) -> bool:
 class CallWatch:
     """Records, when a region starts, the state it reaches by structure. See NOTE [State...]."""
 
-    __slots__ = ("_called", "_cells", "_code", "_pair", "_read_ids", "_reads")
+    __slots__ = ("_called", "_cells", "_code", "_held", "_pair", "_read_ids", "_reads")
 
     def __init__(
         self, function: Callable[..., Any], code: object, pair: tuple[PackHook, UnpackHook] | None
@@ -521,6 +524,7 @@ class CallWatch:
         self._called: dict[int, _Called | _Mode] = {}
         self._reads: list[_Read] = []
         self._read_ids: set[int] = set()  # the reads hold their tensors: ids stay theirs
+        self._held: list[torch.nn.Module] = []  # modules the function holds by name
         self._cells: list[_Slot] = []
         owner = _owning_module(function)
         if owner is not None:  # the function is a module, or a method of one: all it holds
@@ -541,7 +545,8 @@ class CallWatch:
         elif isinstance(value, torch.nn.Module):
             # A module the function holds: it and its children (an item of a ModuleDict, the
             # block it calls), not deeper, so that a closure over a whole model costs what one
-            # level of it costs.
+            # level of it costs. Batch norm deeper down is found after the forward pass.
+            self._held.append(value)
             for module in (value, *list(value._modules.values())[:_MAX_ITEMS]):
                 if module is not None and id(module) not in self._called:
                     self._call(module)
@@ -591,8 +596,16 @@ class CallWatch:
             if read.written or read.tensor._version != read.version:
                 _known.note_written(read.tensor)
 
-    def seal(self, input_storages: Callable[[], set[int | None]]) -> ReachedState | None:
-        """What the forward pass left: the reads written, the bindings recomputation restores."""
+    def seal(
+        self, input_storages: Callable[[], set[int | None]], leaves: Iterable[torch.Tensor]
+    ) -> ReachedState | None:
+        """What the forward pass left: the reads written, the bindings recomputation restores.
+
+        ``leaves``: the leaves of the region's graph, to find the batch norm modules that the
+        region ran below a module it holds (NOTE [State a region reaches]).
+        """
+        if self._held:
+            self._norms_below(leaves)
         reads = self._reads
         for read in reads:
             tensor = read.tensor
@@ -612,6 +625,45 @@ class CallWatch:
         return ReachedState(
             list(self._called.values()), reads, self._cells, self._pair, input_storages
         )
+
+    def _norms_below(self, leaves: Iterable[torch.Tensor]) -> None:
+        """Batch norm the region ran below a module it holds, found by its weights."""
+        for leaf in leaves:
+            for held in self._held:
+                owner = _owner_of(held, leaf)
+                if owner is None or id(owner) in self._called:
+                    continue
+                self._called[id(owner)] = _Mode(owner)
+                if isinstance(owner, _NormBase) and owner.training and owner.track_running_stats:
+                    for key, buffer in owner._buffers.items():
+                        if buffer is not None and id(buffer) not in self._read_ids:
+                            self._read_ids.add(id(buffer))
+                            read = _Read(_attribute_name(type(owner), key), buffer, hidden=True)
+                            read.scratch = True
+                            self._reads.append(read)
+                break
+
+
+_OWNERS: weakref.WeakKeyDictionary[torch.nn.Module, dict[int, weakref.ref[torch.nn.Module]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _owner_of(held: torch.nn.Module, parameter: torch.Tensor) -> torch.nn.Module | None:
+    """The module under ``held`` whose parameter ``parameter`` is (found once per ``held``)."""
+    owners = _OWNERS.get(held)
+    if owners is None:
+        owners = _OWNERS[held] = {
+            id(value): weakref.ref(module)
+            for module in held.modules()
+            for value in module._parameters.values()
+            if value is not None
+        }
+    ref = owners.get(id(parameter))
+    owner = None if ref is None else ref()
+    if owner is None or not any(value is parameter for value in owner._parameters.values()):
+        return None
+    return owner
 
 
 class ReachedState:
@@ -683,7 +735,9 @@ class ReachedState:
                 inputs = self._input_storages() if inputs is None else inputs
                 if storage_key(tensor) in inputs:
                     raise _written_through_an_argument(read)
-            if read.before is not None:
+            if read.scratch:
+                values.append((tensor, tensor))
+            elif read.before is not None:
                 values.append((tensor, read.before))
             elif read.handle is not None:
                 assert self._pair is not None
