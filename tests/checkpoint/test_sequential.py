@@ -67,17 +67,19 @@ def torchs(segments: int, **kwargs: Any) -> Callable[[nn.Sequential, torch.Tenso
 @settings(max_examples=25, deadline=None)
 @given(count=st.integers(1, 6), data=st.data(), dropout=st.booleans())
 def test_matches_torch_and_plain_autograd(count: int, data: st.DataObject, dropout: bool) -> None:
-    """Any segment count gives plain autograd's gradients, and torch's calls per module."""
+    """Any segment count gives plain autograd's gradients and state, where torch counts twice."""
     segments = data.draw(st.integers(1, count), label="segments")
-    plain, _ = gradients(lambda net, x: net(x), model(count, dropout=dropout))
+    plain, plain_calls = gradients(lambda net, x: net(x), model(count, dropout=dropout))
     got, our_calls = gradients(ours(segments), model(count, dropout=dropout))
     expected, torch_calls = gradients(torchs(segments), model(count, dropout=dropout))
     assert_same(got, plain)
     assert_same(got, expected)
-    assert our_calls == torch_calls
+    # `self.calls += 1` rebinds the counter: recomputation runs with the call's binding and the
+    # forward pass's is put back, so each module counts one call, as plain autograd's do.
+    assert our_calls == plain_calls == [1] * count
     size = count // segments
     checkpointed = size * (segments - 1)  # the last segment is run once, as in torch
-    assert our_calls == [2 if index < checkpointed else 1 for index in range(count)]
+    assert torch_calls == [2 if index < checkpointed else 1 for index in range(count)]
 
 
 def test_a_list_of_modules_and_functions() -> None:
