@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,22 +25,20 @@ from tensorhooks._checkpoint import (
     create_selective_checkpoint_contexts,
     is_recomputing,
 )
-from tensorhooks._core.errors import PlanStateError
+from tensorhooks._core.errors import PlanBudgetWarning, PlanStateError
 from tensorhooks._core.torch_compat import CheckpointPolicy, OpOverload
 
 from .accounting import DEVICE, HOST, HeldBytes, Hold, delegating_hooks
+from .layers import cache_arguments, hf_checkpointing_message, hf_checkpointing_on, positional_names
 
 __all__ = [
-    "CACHE_ARGUMENTS",
     "OFFLOAD",
     "SAVE",
     "Action",
     "Application",
+    "Warned",
     "Watcher",
-    "hf_checkpointing_message",
-    "hf_checkpointing_on",
     "tensors_in",
-    "without_cache",
 ]
 
 SAVE = "save"
@@ -149,72 +147,18 @@ class _RegionHolds:
         self.kept.pop(position, None)
 
 
-# NOTE [Caches of Hugging Face layers]
-#
-# A Hugging Face decoder layer (a ``GradientCheckpointingLayer``) appends its keys and values to
-# the KV cache it is handed; recomputing it in backward would append them again (a size error,
-# or checkpoint's "ran during recomputation but not in the forward pass"). Causal LMs keep
-# ``use_cache=True`` in training, so a checkpointed layer runs without a cache, as Hugging Face's
-# own gradient checkpointing does (``GradientCheckpointingLayer`` in
-# transformers/modeling_layers.py): ``use_cache=False``, and unless the layer only reads the
-# cache (``_can_checkpoint_with_cache``), ``cache=None`` and ``layer_past=None``. Kept layers
-# still fill the cache; a checkpointed one leaves its entry out, as with Hugging Face's.
+class Warned:
+    """What a plan warned of already: each kind of `PlanBudgetWarning` is given once."""
 
-CACHE_ARGUMENTS = ("cache", "layer_past", "past_key_value", "past_key_values")
-"""The names Hugging Face layers take a KV cache by (``cache`` since transformers 5)."""
+    def __init__(self) -> None:
+        self.kinds: set[str] = set()
 
-
-def without_cache(
-    module: nn.Module, positions: Sequence[str], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The arguments of a checkpointed Hugging Face layer with its cache off.
-
-    See NOTE [Caches of Hugging Face layers]. Other modules' arguments are left as they are. A
-    cache passed by position (GPT-2's blocks take it second) is found by its parameter's name
-    in ``positions``, the names of the forward's positional parameters.
-    """
-    reads_only = getattr(type(module), "_can_checkpoint_with_cache", None)
-    if reads_only is None:  # not a Hugging Face GradientCheckpointingLayer
-        return args, kwargs
-    names = ("use_cache",) if reads_only else ("use_cache", *CACHE_ARGUMENTS)
-    off = {name: False if name == "use_cache" else None for name in names}
-    changed = {name: _off(off, name, value) for name, value in kwargs.items()}
-    values = [_off(off, name, value) for name, value in zip(positions, args, strict=False)]
-    return (*values, *args[len(values) :]), changed
-
-
-def _off(off: dict[str, Any], name: str, value: Any) -> Any:
-    """``value``, or what turns the cache off if ``name`` is a cache argument (None stays)."""
-    return off[name] if name in off and value is not None else value
-
-
-def _positional_names(forward: Callable[..., Any]) -> tuple[str, ...]:
-    """The names of ``forward``'s positional parameters, in order (none if it has no signature)."""
-    try:
-        parameters = inspect.signature(forward).parameters.values()
-    except (TypeError, ValueError):
-        return ()
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return tuple(parameter.name for parameter in parameters if parameter.kind in kinds)
-
-
-def hf_checkpointing_message(caller: str) -> str:
-    """What to say when Hugging Face's gradient checkpointing is on under a plan."""
-    return (
-        f"{caller}: the model's own gradient checkpointing is on "
-        "(model.gradient_checkpointing_enable() or activation_checkpointing_enable()), so its "
-        "layers would be checkpointed twice and the plan's figures would not hold; call "
-        "model.gradient_checkpointing_disable() (the plan checkpoints the layers itself)"
-    )
-
-
-def hf_checkpointing_on(modules: Sequence[nn.Module]) -> bool:
-    """Whether Hugging Face's gradient checkpointing is on in ``modules`` or inside them."""
-    return any(
-        getattr(inner, "gradient_checkpointing", False) is True
-        for module in modules
-        for inner in module.modules()
-    )
+    def once(self, kind: str, message: str) -> None:
+        """Warn ``message`` unless a warning of ``kind`` was given before."""
+        if kind in self.kinds:
+            return
+        self.kinds.add(kind)
+        warnings.warn(message, PlanBudgetWarning, stacklevel=4)
 
 
 class _BlockForward:
@@ -228,7 +172,7 @@ class _BlockForward:
         self.module = application.blocks[index]
         self.original: Callable[..., Any] = self.module.forward
         self.action = action
-        self.positions = _positional_names(self.original)
+        self.positions = positional_names(self.original)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         application = self.application
@@ -238,7 +182,11 @@ class _BlockForward:
         with watcher.forward(self.index):
             if not self.action.checkpoint or not torch.is_grad_enabled():
                 return self.original(*args, **kwargs)
-            args, kwargs = without_cache(self.module, self.positions, args, kwargs)
+            arguments = cache_arguments(self.module, self.positions, args, kwargs)
+            if arguments is None:  # eval mode, with a KV cache: see NOTE [Caches of ...]
+                application.kept_for_cache(self.index)
+                return self.original(*args, **kwargs)
+            args, kwargs = arguments
             watcher.inputs(self.index, tensors_in((args, kwargs), []))
             holds = None if application.held is None else _RegionHolds(application.held)
             function = self._function(holds)
@@ -363,6 +311,8 @@ class Application:
         min_offload_bytes: region inputs smaller than this stay on the device when a block
             offloads its input.
         caller: the function named in errors.
+        warnings: what was warned of already (a plan's, so that it warns once across its
+            applications); default: a new one.
     """
 
     def __init__(
@@ -374,9 +324,11 @@ class Application:
         watcher: Watcher | None = None,
         min_offload_bytes: int = 1 << 20,
         caller: str = "plan_activations",
+        warnings: Warned | None = None,
     ) -> None:
         self.blocks = list(blocks)
         self.caller = caller
+        self.warned = Warned() if warnings is None else warnings
         self.actions = list(actions)
         self.held = held
         self.watcher = _SILENT if watcher is None else watcher
@@ -386,6 +338,18 @@ class Application:
         self.policy_offload = save_on_cpu(pin_memory=True, min_offload_bytes=0)
         self.input_offload = save_on_cpu(pin_memory=True, min_offload_bytes=min_offload_bytes)
         self._previous: list[tuple[nn.Module, Any]] = []
+
+    def kept_for_cache(self, index: int) -> None:
+        """Block ``index`` runs as it is, its plan aside, to keep a KV cache: warn once."""
+        name = type(self.blocks[index]).__name__
+        self.warned.once(
+            "cache",
+            f"{self.caller}: block {index} ({name}) runs in eval mode with a KV cache it writes; "
+            "as under Hugging Face's gradient checkpointing it keeps the cache and is not "
+            "recomputed, so it holds all its activations and the step may exceed the plan's "
+            "budget. Call the model with use_cache=False (or in train mode) for the plan to "
+            "hold",
+        )
 
     def install(self) -> None:
         """Replace each block's ``forward``.

@@ -30,7 +30,14 @@ from tensorhooks._core.torch_compat import (
 )
 from tensorhooks._hooks import saved_tensors_hooks
 
-from .apply import CACHE_ARGUMENTS, hf_checkpointing_message, hf_checkpointing_on, tensors_in
+from .apply import tensors_in
+from .layers import (
+    CACHE_ARGUMENTS,
+    hf_checkpointing_message,
+    hf_checkpointing_on,
+    is_hf_layer,
+    writes_cache,
+)
 
 __all__ = ["StepWatch", "budget_in_bytes", "check_model_state", "untouched"]
 
@@ -144,16 +151,24 @@ def _written(func: OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> l
     return found
 
 
-def _with_cache(module: nn.Module, kwargs: object) -> bool:
-    """Whether ``module`` (not a Hugging Face layer, whose cache a plan turns off) gets a cache.
+def _with_cache(module: nn.Module, args: object, kwargs: object) -> bool:
+    """Whether ``module`` gets a cache that a plan cannot turn off, which it would write again.
 
-    See NOTE [Caches of Hugging Face layers] in `apply`.
+    A Hugging Face layer's cache is turned off in training mode; in eval mode the layer keeps a
+    cache it writes and is not recomputed (see NOTE [Caches of Hugging Face layers] in
+    `layers`), so no plan holds there.
     """
-    if hasattr(type(module), "_can_checkpoint_with_cache") or not isinstance(kwargs, dict):
+    if not isinstance(kwargs, dict) or not isinstance(args, tuple):
         return False
+    if is_hf_layer(module):
+        return not module.training and writes_cache(module, args, kwargs)
     if kwargs.get("use_cache") or any(kwargs.get(name) is not None for name in CACHE_ARGUMENTS):
         return True
     return getattr(getattr(module, "config", None), "use_cache", False) is True
+
+
+class _Refused(Exception):  # noqa: N818  # not an error of the user's: a stop signal
+    """Raised from a block's pre-hook to stop a watched step that no plan could hold."""
 
 
 def _same(tensor: torch.Tensor) -> torch.Tensor:
@@ -195,6 +210,8 @@ class StepWatch:
         try:
             with _WatchMode(self), saved_tensors_hooks(self._pack, _same):
                 step()
+        except _Refused:
+            raise PlanStateError(self._cached_message()) from None
         except Exception as error:
             self._check()  # the cause the step's own error may hide
             if self.written is not None:
@@ -218,8 +235,10 @@ class StepWatch:
                 self.order.append(index)
                 keys = {storage_key(tensor) for tensor in tensors_in((args, kwargs), [])}
                 self.inputs.append((index, keys))
-                if self.cached is None and _with_cache(module, kwargs):
+                if self.cached is None and _with_cache(module, args, kwargs):
                     self.cached = index
+                    if is_hf_layer(module):  # it would run as it is: stop the step here
+                        raise _Refused
 
         return note
 
@@ -229,7 +248,16 @@ class StepWatch:
 
     def _cached_message(self) -> str:
         assert self.cached is not None
-        name = type(self.blocks[self.cached]).__name__
+        block = self.blocks[self.cached]
+        name = type(block).__name__
+        if is_hf_layer(block):
+            return (
+                f"{self.caller}: block {self.cached} ({name}) runs in eval mode with a KV cache "
+                "it writes; as under Hugging Face's gradient checkpointing, a layer in eval mode "
+                "keeps its cache and is not recomputed, so no plan could hold. Call the model "
+                "with use_cache=False in the step (or set model.config.use_cache = False), or "
+                "profile it in train mode (model.train())"
+            )
         return (
             f"{self.caller}: block {self.cached} ({name}) runs with a KV cache (use_cache=True, "
             "or a cache argument), which its recomputation in backward writes again; call the "
