@@ -86,8 +86,8 @@ class Watcher:
         """Around block ``index``'s recomputation, in backward."""
         return contextlib.nullcontext()
 
-    def inputs(self, index: int, tensors: list[torch.Tensor]) -> None:
-        """The tensor arguments block ``index`` is called with (its region's inputs)."""
+    def called(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Block ``index`` is called with ``args`` and ``kwargs`` (before it runs)."""
 
     def kept(self, index: int, tensor: torch.Tensor) -> None:
         """A tensor block ``index``'s recomputation keeps for backward, in save order."""
@@ -161,6 +161,34 @@ class Warned:
         warnings.warn(message, PlanBudgetWarning, stacklevel=4)
 
 
+class _RootForward:
+    """The model's ``forward`` while an application that watches its calls is installed.
+
+    Like `_BlockForward` an instance attribute, not a hook: a copy or a pickle of the model is a
+    plain model.
+    """
+
+    __slots__ = ("on_call", "original")
+
+    def __init__(
+        self,
+        original: Callable[..., Any],
+        on_call: Callable[[tuple[Any, ...], dict[str, Any]], None],
+    ) -> None:
+        self.original = original
+        self.on_call = on_call
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.on_call(args, kwargs)
+        return self.original(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return copy.deepcopy(self.original, memo)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self.original.__reduce_ex__(protocol)
+
+
 class _BlockForward:
     """What a planned block's ``forward`` attribute is while the application is installed."""
 
@@ -179,19 +207,30 @@ class _BlockForward:
         watcher = application.watcher
         if self.module.__dict__.get("gradient_checkpointing") is True:
             raise PlanStateError(hf_checkpointing_message(self.application.caller))
+        if application.on_call is not None:
+            application.on_call(self.index, args, kwargs)
+        action = self.action
         with watcher.forward(self.index):
-            if not self.action.checkpoint or not torch.is_grad_enabled():
-                return self.original(*args, **kwargs)
+            watcher.called(self.index, args, kwargs)
+            if not action.checkpoint or not torch.is_grad_enabled():
+                if watcher is _SILENT:
+                    return self.original(*args, **kwargs)
+                # Recorded as it would run checkpointed (a layer's cache off in training), so
+                # that the ops a policy names are the ones a checkpointed block runs.
+                arguments = cache_arguments(self.module, self.positions, args, kwargs)
+                if arguments is not None:
+                    args, kwargs = arguments
+                with watcher.function(self.index):
+                    return self.original(*args, **kwargs)
             arguments = cache_arguments(self.module, self.positions, args, kwargs)
             if arguments is None:  # eval mode, with a KV cache: see NOTE [Caches of ...]
                 application.kept_for_cache(self.index)
                 return self.original(*args, **kwargs)
             args, kwargs = arguments
-            watcher.inputs(self.index, tensors_in((args, kwargs), []))
             holds = None if application.held is None else _RegionHolds(application.held)
             function = self._function(holds)
-            context_fn = self._contexts(holds)
-            with self._input_offload():
+            context_fn = self._contexts(action, holds)
+            with self._input_offload(action):
                 if context_fn is None:
                     return checkpoint(function, *args, use_reentrant=False, **kwargs)
                 return checkpoint(
@@ -235,10 +274,12 @@ class _BlockForward:
 
         return forward
 
-    def _contexts(self, holds: _RegionHolds | None) -> Callable[[], tuple[Any, Any]] | None:
+    def _contexts(
+        self, action: Action, holds: _RegionHolds | None
+    ) -> Callable[[], tuple[Any, Any]] | None:
         """The ``context_fn`` of a selective policy, or None when every op is recomputed."""
-        cached = self.action.cached
-        if not cached and not self.action.selective:
+        cached = action.cached
+        if not cached and not action.selective:
             return None
         offload = self.application.policy_offload
 
@@ -264,10 +305,10 @@ class _BlockForward:
         return context_fn
 
     @contextlib.contextmanager
-    def _input_offload(self) -> Iterator[None]:
+    def _input_offload(self, action: Action) -> Iterator[None]:
         """Around the checkpoint call: the region's inputs go to host memory if the plan says."""
         application = self.application
-        if not self.action.offload_input:
+        if not action.offload_input:
             yield
             return
         with application.input_offload:
@@ -313,6 +354,10 @@ class Application:
         caller: the function named in errors.
         warnings: what was warned of already (a plan's, so that it warns once across its
             applications); default: a new one.
+        on_call: called with each block's index and arguments before the block runs, on a
+            forward call (a plan changes its actions there when the step's sizes change).
+        root: a module whose calls ``on_root_call`` hears (the model), or None.
+        on_root_call: called with the arguments of each call of ``root``, before it runs.
     """
 
     def __init__(
@@ -325,10 +370,17 @@ class Application:
         min_offload_bytes: int = 1 << 20,
         caller: str = "plan_activations",
         warnings: Warned | None = None,
+        on_call: Callable[[int, tuple[Any, ...], dict[str, Any]], None] | None = None,
+        root: nn.Module | None = None,
+        on_root_call: Callable[[tuple[Any, ...], dict[str, Any]], None] | None = None,
     ) -> None:
         self.blocks = list(blocks)
         self.caller = caller
         self.warned = Warned() if warnings is None else warnings
+        self.on_call = on_call
+        self.root = root
+        self.on_root_call = on_root_call
+        self._forwards: list[_BlockForward] = []
         self.actions = list(actions)
         self.held = held
         self.watcher = _SILENT if watcher is None else watcher
@@ -369,11 +421,24 @@ class Application:
                 )
         for index, (block, action) in enumerate(zip(self.blocks, self.actions, strict=True)):
             self._previous.append((block, block.__dict__.get("forward", _UNSET)))
-            block.forward = _BlockForward(self, index, action)
+            forward = _BlockForward(self, index, action)
+            self._forwards.append(forward)
+            block.forward = forward
+        root = self.root
+        if root is not None and self.on_root_call is not None:
+            self._previous.append((root, root.__dict__.get("forward", _UNSET)))
+            root.forward = _RootForward(root.forward, self.on_root_call)
+
+    def set_actions(self, actions: Sequence[Action]) -> None:
+        """What each block does from its next call on (the installed blocks included)."""
+        self.actions = list(actions)
+        for forward, action in zip(self._forwards, self.actions, strict=False):
+            forward.action = action
 
     def remove(self) -> None:
         """Give each block its own ``forward`` back."""
         previous, self._previous = self._previous, []
+        self._forwards = []
         for block, before in previous:
             if before is _UNSET:
                 block.__dict__.pop("forward", None)
