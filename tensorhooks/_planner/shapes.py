@@ -143,7 +143,8 @@ def grown(growth: Growth, ratios: Sequence[float]) -> int:
             if power:
                 factor *= ratio**power
         total += nbytes * factor
-    return math.ceil(total - 1e-6 * total)
+    nearest = round(total)
+    return nearest if abs(total - nearest) <= 1e-9 * max(total, 1.0) else math.ceil(total)
 
 
 def ratios_for(model: SizeModel, signature: Signature) -> tuple[float, ...] | None:
@@ -303,8 +304,8 @@ class SizeTracker:
         result = []
         for size, stride in zip(tensor.shape, tensor.stride(), strict=True):
             found = strides.get(stride) if size > 1 else None
-            if found is not None and (found[0] == size or not any(found[1])):
-                result.append(found[1])
+            if found is not None and found[0] == size:
+                result.append(found[1])  # the same dimension (a slice of it is matched anew)
             else:
                 result.append(self._aligned(size, 0, 0, [base], joins=False))
         return tuple(result)
