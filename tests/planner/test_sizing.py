@@ -153,7 +153,7 @@ def test_a_step_no_plan_fits_warns_once_with_the_figure() -> None:
     large = step_on(model, 8, 64)
     least = th.plan_activations(model, large, 1.0, confirm=False).least_peak_bytes
     assert least > plan.budget_bytes
-    warned = pytest.warns(th.PlanBudgetWarning, match=r"needs at least \d+ bytes .* above the budget")
+    warned = pytest.warns(th.PlanBudgetWarning, match=r"needs at least \d+ bytes .* above the")
     with warned, plan.apply():
         large()
     with warnings.catch_warnings():
