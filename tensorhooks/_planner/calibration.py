@@ -14,15 +14,18 @@ import torch
 from torch import nn
 
 from .apply import FULL, KEEP, SAVE, Action, Application
+from .recording import StepClock, record
 
 __all__ = ["Overheads", "overheads"]
 
 # NOTE [Costs that do not depend on the model]
 #
-# Three figures of the time model are the machinery's, not the model's: what checkpointing a
+# Four figures of the time model are the machinery's, not the model's: what checkpointing a
 # block costs beyond its recomputation (its hooks, the RNG state it stashes), what a selective
-# policy costs per op it is asked about (forward and recomputation), and what caching one op's
-# output costs it. They are measured once per process and device on a tiny stack of blocks of
+# policy costs per op it is asked about (forward and recomputation), what caching one op's
+# output costs it, and what recording costs per op beyond what the recorder measures of itself
+# (torch's dispatch to a Python mode: the recorded step's time, less this, is the step's own).
+# They are measured once per process and device on a tiny stack of blocks of
 # cheap elementwise ops, the best of a few repetitions of each variant (no plan, every block
 # recomputed, a policy caching nothing, a policy caching every op), rather than on the model's
 # own step: no run of the step is spent on them, and their noise does not depend on the model.
@@ -45,6 +48,9 @@ class Overheads:
     checkpoint_seconds: float
     policy_op_seconds: float
     cached_op_seconds: float
+    dispatch_op_seconds: float = 0.0
+    """What recording costs per op beyond the recorder's own bookkeeping (torch's dispatch to
+    a Python mode and back): what the recorded step's time is less of, per op recorded."""
 
 
 class _Cheap(nn.Module):
@@ -67,7 +73,7 @@ def _best(run: Callable[[], None], sync: Callable[[], None], repeats: int = 3) -
 @functools.cache
 def overheads(device: torch.device) -> Overheads:
     """The `Overheads` of ``device``, measured once per process (see NOTE above)."""
-    blocks = [_Cheap() for _ in range(_BLOCKS)]
+    blocks: list[nn.Module] = [_Cheap() for _ in range(_BLOCKS)]
     # Not random: calibrating must leave the random number generators as they were.
     x = torch.linspace(-1.0, 1.0, 64, device=device).reshape(8, 8).requires_grad_()
 
@@ -91,7 +97,17 @@ def overheads(device: torch.device) -> Overheads:
 
     every = {(op, 0): SAVE for op in _OPS}
     forward()  # warm up
+
     plain = timed([KEEP] * _BLOCKS)
+    stack = nn.Sequential(*blocks)
+    recorded = [
+        record(stack, blocks, forward, StepClock(device), keep=True, caller="profile_step")
+        for _ in range(3)
+    ]
+    residual = min(
+        (recorder.step_seconds - recorder.overhead_total - plain) / max(recorder.op_count, 1)
+        for recorder in recorded
+    )
     full = timed([FULL] * _BLOCKS)
     policy = timed([Action(checkpoint=True, selective=True)] * _BLOCKS)
     cached = timed([Action(checkpoint=True, cached=every, selective=True)] * _BLOCKS)
@@ -102,6 +118,7 @@ def overheads(device: torch.device) -> Overheads:
         checkpoint_seconds=max(0.0, (full - plain - again) / _BLOCKS),
         policy_op_seconds=max(0.0, (policy - full) / (2 * _BLOCKS * len(_OPS))),
         cached_op_seconds=max(0.0, (cached - policy) / (_BLOCKS * len(_OPS))),
+        dispatch_op_seconds=max(0.0, residual),
     )
 
 

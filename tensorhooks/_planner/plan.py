@@ -43,8 +43,11 @@ _DEFAULT_MIN_OFFLOAD_BYTES = 1 << 20
 # random states left as they were, as after profiling) and keeps the measured peak on the plan.
 # Should the step hold more than the budget (it saved what the recorded step did not), the
 # excess is added to the profile's fixed bytes and the plan solved again, and measured again;
-# what still exceeds is warned of (`PlanBudgetWarning`) rather than left unsaid. It is one run of
-# the step, so planning costs one recorded and one planned step.
+# what still exceeds is warned of (`PlanBudgetWarning`) rather than left unsaid. The step's time
+# anchors the predicted times too: the recorded step's is estimated (what recording cost is taken
+# off it), this one is measured, so every predicted time is moved by the difference (the choices
+# only depend on differences between them). It is one run of the step, so planning costs one
+# recorded and one planned step.
 
 _FSDP_SIZES = (
     "plan_activations: a step is larger than the profiled one; under FSDP2 the plan is not "
@@ -327,16 +330,30 @@ class ActivationPlan:
     def confirm(self) -> int:
         """Run the step once under the plan, the model left as it was; its measured peak.
 
-        See NOTE [The confirming step]. Sets ``measured_peak_bytes``; warns of nothing.
+        See NOTE [The confirming step]. Sets ``measured_peak_bytes``, and the predicted step
+        times to what the step took (every other figure moved by as much); warns of nothing.
         """
+        clock = StepClock(device_of(self._model, self.profile.device))
         self._quiet = True
         try:
             with untouched(self._model, "plan_activations"), self:
-                self._step()
+                seconds = clock.time(self._step)
         finally:
             self._quiet = False
+        self._anchor(seconds - self.predicted_step_seconds)
         assert self.measured_peak_bytes is not None
         return self.measured_peak_bytes
+
+    def _anchor(self, shift: float) -> None:
+        """Move every predicted step time by ``shift`` seconds (the choices are unchanged)."""
+        profile = self.profile
+        unplanned = profile.unplanned_step_seconds
+        self.profile = dataclasses.replace(
+            profile,
+            checkpointed_step_seconds=max(0.0, profile.checkpointed_step_seconds + shift),
+            unplanned_step_seconds=None if unplanned is None else max(0.0, unplanned + shift),
+        )
+        self.predicted_step_seconds = max(0.0, self.predicted_step_seconds + shift)
 
     def warn_if_over(self) -> None:
         """Warn once if the last measured peak is above the budget."""

@@ -213,12 +213,16 @@ class Recorder(Watcher):
         self.spans: list[list[tuple[Any, Any]]] = [[] for _ in range(count)]
         self.overhead: dict[int, float] = {}  # per part: the recorder's own seconds
         self.overhead_total = 0.0
+        self._block_keys: dict[int, frozenset[int]] = {}
+        # Backward ops are timed where they can hide copies (a GPU's link) or recompute blocks.
+        self.times_backward = clock.cuda or not keep
         self.starts: list[int] = []  # sorted range starts, for `part_of_node`
         self._by_start: dict[int, int] = {}
         self.forward_seconds: list[float] = []  # per block, then the part after the blocks
         self.backward_seconds: list[float] = []
         self.function_seconds: list[float] = []
         self.step_seconds = 0.0
+        self.op_count = 0  # ops the mode saw
 
     # --- after the step -------------------------------------------------------------------
 
@@ -239,6 +243,8 @@ class Recorder(Watcher):
         self.function_seconds = [
             sum(clock.seconds(start, end) for start, end in spans) for spans in self.spans
         ]
+        if not self.times_backward:  # a backward takes about twice its forward's op time
+            self.backward_seconds = [2 * seconds for seconds in self.forward_seconds]
 
     def _summed(self, part: int) -> int | None:
         """Where a part's op times add up: its block, or `count` for after the last block."""
@@ -282,7 +288,12 @@ class Recorder(Watcher):
         self.order.append(index)
         start = next_sequence_nr()
         self.block = index
-        self.held.for_block(self.blocks[index])
+        keys = self._block_keys.get(index)
+        if keys is None:
+            keys = self._block_keys[index] = self.held.base | frozenset(
+                module_keys(self.blocks[index])
+            )
+        self.held.excluded = keys
         try:
             yield
         finally:
@@ -424,7 +435,8 @@ class Recorder(Watcher):
 
     def backward_op(self, start: Any, end: Any) -> None:
         self.watch.note_backward()
-        self.marks.append((self.part_of_node(), True, start, end))
+        if self.times_backward:
+            self.marks.append((self.part_of_node(), True, start, end))
 
     def _name_outputs(self, fresh: list[torch.Tensor], growth: list[Exps]) -> list[int]:
         names = []
@@ -494,10 +506,32 @@ def _flops(func: OpOverload, args: Any, kwargs: Any, out: Any) -> int:
     formula = _flop_registry().get(func.overloadpacket)
     if formula is None:
         return 0
+    key = (func, *(_shape_or_value(value) for value in (*args, *kwargs.values())))
     try:
-        return int(formula(*args, **kwargs, out_val=out))
+        known = _FLOPS.get(key)
+    except TypeError:  # an argument that cannot be a key: count it every time
+        known, key = None, ()
+    if known is not None:
+        return known
+    try:
+        count = int(formula(*args, **kwargs, out_val=out))
     except Exception:  # a formula that does not fit this overload: no count
-        return 0
+        count = 0
+    if key:
+        _FLOPS[key] = count
+    return count
+
+
+_FLOPS: dict[tuple[Any, ...], int] = {}
+"""FLOPs by operator and argument shapes: a stack's layers run the same ops on the same shapes."""
+
+
+def _shape_or_value(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape)
+    if isinstance(value, (list, tuple)):
+        return tuple(_shape_or_value(item) for item in value)
+    return value
 
 
 @functools.cache
@@ -531,6 +565,7 @@ class _RecordingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # unt
         returned = time.perf_counter()
         end = self.mark()
         recorder = self.recorder
+        recorder.op_count += 1
         if current_graph_task_id() != -1 and not recorder.recomputing:
             recorder.backward_op(start, end)
         else:
@@ -648,6 +683,8 @@ def record(
     application = Application(blocks, actions, held=None if keep else held, watcher=recorder)
     handle = model.register_forward_pre_hook(_root_hook(recorder, model), with_kwargs=True)
     application.install()
+    collecting = gc.isenabled()
+    gc.disable()  # a collection of the recorder's own garbage would land in the recorded step
     began = clock.mark()
     try:
         with (
@@ -660,9 +697,11 @@ def record(
         watch.failed(error)
         raise
     finally:
+        ended = clock.mark()
+        if collecting:
+            gc.enable()
         application.remove()
         handle.remove()
-    ended = clock.mark()
     watch.check()
     clock.sync()
     recorder.step_seconds = clock.seconds(began, ended)

@@ -253,7 +253,11 @@ def summary(
     order = recorder.order
     profiles, block_sizes = [], []
     for index in order:
-        plain = recorder.function_seconds[index] - recorder.overhead.get(index, 0.0)
+        plain = (
+            recorder.function_seconds[index]
+            - recorder.overhead.get(index, 0.0)
+            - overheads.dispatch_op_seconds * len(recorder.ops[index])
+        )
         profile, sizes = _block(recorder, index, owners, plain)
         profiles.append(dataclasses.replace(profile, name=names[index]))
         block_sizes.append(sizes)
@@ -266,7 +270,8 @@ def summary(
     fixed, fixed_growth = counted.of(n for n, part in owners.items() if part == BEFORE)
     blocks = _alike_smoothed(tuple(profiles))
     recompute = sum(block.recompute_seconds for block in blocks)
-    own = max(0.0, recorder.step_seconds - recorder.overhead_total)
+    dispatch = overheads.dispatch_op_seconds * recorder.op_count
+    own = max(0.0, recorder.step_seconds - recorder.overhead_total - dispatch)
     ckpt = overheads.checkpoint_seconds * len(blocks)
     if recorder.keep:
         unplanned, checkpointed = own, own + recompute + ckpt
