@@ -38,7 +38,9 @@ __all__ = [
 # input is its class; an op's output dimension takes the exponents of an input dimension of that
 # op with the same size (the largest, where several match), or of a run of adjacent dimensions
 # of one input whose sizes multiply to it (a reshape that merges batch and length: 96 = 2 x 48);
-# else of the size classes it equals or whose product it is; else, when the op's inputs grow, as
+# else of the size classes it equals or whose product it is (a class is also made for a length
+# less or more a token or two, the labels a causal LM shifts by one: it grows by as many tokens as
+# that length); else, when the op's inputs grow, as
 # its largest input grows (a size that depends on the data, such as the tokens routed to one
 # expert); else it is constant (a parameter's width, a head count). A storage's bytes then grow
 # as the product of its tensor's dimensions: each byte figure of the profile is a sum of terms,
@@ -56,6 +58,9 @@ __all__ = [
 
 Exps = tuple[int, ...]
 """Exponents, one per size class."""
+
+_NEAR = 8
+"""Input dimensions at least this long get classes for their size less or more 1 and 2."""
 
 Growth = tuple[tuple[Exps, int], ...]
 """A byte figure as terms: (exponents, bytes at the profile); it grows as the sum of them."""
@@ -107,6 +112,9 @@ class SizeModel:
             (or its first block, when it never called the model itself).
         source: ``"model"`` or ``"block"``: which call the signature is of.
         classes: the profiled size of each size class.
+        bases: per class, the size of the input dimension it follows: itself, or for a class a
+            little off a length (the length less the one token a causal LM shifts off), that
+            length's, which it grows with by as many tokens.
         fixed: growth of the profile's ``fixed_bytes``.
         after: growth of ``after_bytes``.
         blocks: per block, the growth of its figures (see `BlockSizes`).
@@ -115,6 +123,7 @@ class SizeModel:
     signature: Signature
     source: str
     classes: tuple[int, ...]
+    bases: tuple[int, ...]
     fixed: Growth
     after: Growth
     blocks: tuple[BlockSizes, ...]
@@ -155,8 +164,7 @@ def ratios_for(model: SizeModel, signature: Signature) -> tuple[float, ...] | No
     have none in common, or one of another rank: the sizes cannot be told then.
     """
     now = dict(signature)
-    index = {size: position for position, size in enumerate(model.classes)}
-    ratios = [1.0] * len(model.classes)
+    grown_to = {size: size for size in model.classes}
     common = 0
     for path, shape in model.signature:
         now_shape = now.get(path)
@@ -165,11 +173,15 @@ def ratios_for(model: SizeModel, signature: Signature) -> tuple[float, ...] | No
         if len(shape) != len(now_shape):
             return None
         common += 1
-        for size, grown_to in zip(shape, now_shape, strict=True):
-            position = index.get(size)
-            if position is not None and size > 0:
-                ratios[position] = max(ratios[position], grown_to / size)
-    return tuple(ratios) if common else None
+        for size, now_size in zip(shape, now_shape, strict=True):
+            if size in grown_to:
+                grown_to[size] = max(grown_to[size], now_size)
+    if not common:
+        return None
+    return tuple(
+        max(1.0, (grown_to[base] + size - base) / size) if size > 0 else 1.0
+        for size, base in zip(model.classes, model.bases, strict=True)
+    )
 
 
 def _added(first: Exps, second: Exps) -> Exps:
@@ -189,6 +201,7 @@ class SizeTracker:
         self.signature: Signature | None = None
         self.source = ""
         self.classes: dict[int, int] = {}
+        self.bases: tuple[int, ...] = ()
         self.zero: Exps = ()
         self._dims: dict[int, tuple[weakref.ref[torch.Tensor], tuple[Exps, ...]]] = {}
 
@@ -200,8 +213,14 @@ class SizeTracker:
         """The model (or its first block) is called with ``args`` and ``kwargs``: the classes."""
         self.signature = signature_of(args, kwargs)
         self.source = source
-        sizes = sorted({size for _, shape in self.signature for size in shape if size > 0})
+        roots = sorted({size for _, shape in self.signature for size in shape if size > 0})
+        bases = {size: size for size in roots}
+        for root in roots:  # a length less or more a token or two: see `SizeModel.bases`
+            for offset in (-2, -1, 1, 2) if root >= _NEAR else ():
+                bases.setdefault(root + offset, root)
+        sizes = sorted(bases)
         self.classes = {size: index for index, size in enumerate(sizes)}
+        self.bases = tuple(bases[size] for size in sizes)
         self.zero = (0,) * len(sizes)
         for tensor in _tensors_of(args, kwargs):
             self._remember(tensor, tuple(self._unit(size) for size in tensor.shape))
@@ -246,7 +265,11 @@ class SizeTracker:
     def _multiple(self, size: int) -> Exps:
         """The exponents of the largest product of classes (each once) that divides ``size``."""
         best, product = self.zero, 1
-        sizes = [value for value in self.classes if value > 1]
+        sizes = [
+            value
+            for value, base in zip(self.classes, self.bases, strict=True)
+            if value > 1 and value == base
+        ]
         for count in range(1, len(sizes) + 1):
             for chosen in itertools.combinations(sizes, count):
                 value = math.prod(chosen)

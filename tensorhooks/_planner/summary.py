@@ -283,6 +283,7 @@ def summary(
         signature=recorder.sizes.signature or (),
         source=recorder.sizes.source,
         classes=recorder.sizes.class_sizes(),
+        bases=recorder.sizes.bases,
         fixed=fixed_growth,
         after=after_growth,
         blocks=tuple(block_sizes),

@@ -202,3 +202,40 @@ def test_a_step_that_calls_the_blocks_is_sized_by_the_first_block() -> None:
         assert plan.measured_peak_bytes is not None
         assert plan.measured_peak_bytes <= plan.budget_bytes, rows
     assert plan.replans == 2
+
+
+class Repeats(nn.Module):
+    """A residual MLP over its input repeated ``times`` along the rows (a size of its own)."""
+
+    times = 1
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = Layer()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x.repeat(Repeats.times, 1))[: x.shape[0]]
+
+
+def test_a_step_that_grows_where_the_inputs_do_not_is_warned_of_once() -> None:
+    """Sizes the model's inputs do not show: the measured peak above the budget is warned of."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(Repeats() for _ in range(3)))
+    x = torch.randn(8, 16)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+
+    plan = th.plan_activations(model, step, 1.0)
+    Repeats.times = 4
+    try:
+        with pytest.warns(th.PlanBudgetWarning, match=r"held \d+ bytes .* above the budget"), plan:
+            step()
+        assert plan.measured_peak_bytes is not None
+        assert plan.measured_peak_bytes > plan.budget_bytes
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", th.PlanBudgetWarning)
+            with plan:  # warned once
+                step()
+    finally:
+        Repeats.times = 1
