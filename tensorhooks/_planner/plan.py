@@ -148,10 +148,15 @@ class ActivationPlan:
         >>> plan.measured_peak_bytes <= plan.budget_bytes
         True
 
-    Nesting and threads: a plan replaces its blocks' ``forward`` for every thread while it is
-    applied, and one plan at a time may be applied to a block. ``with plan:`` also pushes a pair
-    of saved-tensor hooks on the entering thread (to measure), so run the planned step on that
-    thread; plans do not nest.
+    A step called with larger inputs than the profiled one (more rows, longer sequences, in
+    any tensor the model is called with) is planned for again before it runs, from the profile
+    scaled to its sizes (``plan.replans`` counts them); one no plan fits, or one measured above
+    the budget under ``with plan:``, is warned of once (`PlanBudgetWarning`).
+
+    Nesting and threads: a plan replaces its blocks' ``forward`` (and, to see the step's input
+    sizes, its model's) for every thread while it is applied, and one plan at a time may be
+    applied to a block. ``with plan:`` also pushes a pair of saved-tensor hooks on the entering
+    thread (to measure), so run the planned step on that thread; plans do not nest.
     """
 
     def __init__(
@@ -534,13 +539,16 @@ def plan_activations(
 ) -> ActivationPlan:
     """Choose, per block and per op, what to keep, recompute or offload so that the step fits.
 
-    ``step`` is profiled once (`profile_step`), unless ``profile`` is given. The solver then
+    ``step`` is recorded once (`profile_step`), unless ``profile`` is given, and then run once
+    more under the chosen plan to confirm it (``plan.measured_peak_bytes``). The solver
     picks, for every block, one of: keep what it saves; checkpoint it with a policy that saves,
     recomputes or offloads each op's output; and offload the block's input too. It is exact over
     those choices (a dynamic programme over the blocks) and returns the fastest plan whose
     predicted peak of bytes held for backward is at most ``budget``; a larger budget never
     predicts a slower step. Views and tiny tensors are never offloaded; offloading is only
     chosen where the link's copies hide behind compute (see docs/planner.md for the cost model).
+    Applied, the plan is solved again, before a step runs, for inputs larger than the profiled
+    ones (see docs/planner.md, "Batches of other sizes").
 
     Example:
         >>> import torch, tensorhooks

@@ -150,9 +150,10 @@ def profile_step(
             distinct submodules of the model (a ``ValueError``).
         PlanStateError: if a block runs twice in the step or not at all, the step runs no
             backward, records a graph in backward (``create_graph=True``, which the cost model
-            cannot price), or changes a parameter in place, or the model's own gradient
-            checkpointing is on (Hugging Face's ``gradient_checkpointing_enable()``) (a
-            ``RuntimeError``).
+            cannot price), or changes a parameter in place, a block writes its input in place
+            or is handed a cache it writes (a Hugging Face layer in eval mode), or the model's
+            own gradient checkpointing is on (Hugging Face's ``gradient_checkpointing_enable()``)
+            (a ``RuntimeError``).
     """
     with together(model, "profile_step"):  # no collective runs here
         named = resolve_blocks(model, blocks, "profile_step")
