@@ -440,6 +440,8 @@ class Application:
         previous, self._previous = self._previous, []
         self._forwards = []
         for block, before in previous:
+            if block is self.root and not isinstance(block.__dict__.get("forward"), _RootForward):
+                continue  # its forward was wrapped again since (a trainer's): left as it is
             if before is _UNSET:
                 block.__dict__.pop("forward", None)
             else:

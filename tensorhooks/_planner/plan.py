@@ -332,7 +332,7 @@ class ActivationPlan:
         self._entered = (handle, held, hooks)
         return self
 
-    def confirm(self) -> int:
+    def _confirm(self) -> int:
         """Run the step once under the plan, the model left as it was; its measured peak.
 
         See NOTE [The confirming step]. Sets ``measured_peak_bytes``, and the predicted step
@@ -360,7 +360,7 @@ class ActivationPlan:
         )
         self.predicted_step_seconds = max(0.0, self.predicted_step_seconds + shift)
 
-    def warn_if_over(self) -> None:
+    def _warn_if_over(self) -> None:
         """Warn once if the last measured peak is above the budget."""
         measured = self.measured_peak_bytes
         if measured is not None and measured > self.budget_bytes:
@@ -384,7 +384,7 @@ class ActivationPlan:
             self.measured_peak_bytes = held.peak[DEVICE]
             self.measured_host_peak_bytes = held.peak[HOST]
         if not self._quiet:
-            self.warn_if_over()
+            self._warn_if_over()
 
     def report(self, *, rounds: int = 3) -> PlanReport:
         """Run the step under the plan: the measured peak and step time against the predicted.
@@ -692,7 +692,7 @@ class _Planner:
 
         See NOTE [The confirming step].
         """
-        measured = plan.confirm()
+        measured = plan._confirm()
         if measured <= plan.budget_bytes:
             return plan
         excess = measured - plan.predicted_peak_bytes
@@ -704,6 +704,6 @@ class _Planner:
         except PlanBudgetError:
             again = plan
         if again is not plan:
-            again.confirm()
-        again.warn_if_over()
+            again._confirm()
+        again._warn_if_over()
         return again

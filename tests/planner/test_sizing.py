@@ -239,3 +239,22 @@ def test_a_step_that_grows_where_the_inputs_do_not_is_warned_of_once() -> None:
                 step()
     finally:
         Repeats.times = 1
+
+
+def test_the_model_gets_its_forward_back_and_a_later_wrapper_stays() -> None:
+    """Removing a plan gives the model its forward; one wrapped meanwhile (a trainer's) stays."""
+    model = quiet("qwen3")
+    plan = th.plan_activations(model, step_on(model, 2, 16), 0.6)
+    with plan.apply():
+        assert "forward" in model.__dict__  # watching the sizes of each call
+    assert "forward" not in model.__dict__
+    handle = plan.apply()
+    inner = model.forward
+
+    def wrapped(*args: object, **kwargs: object) -> object:
+        return inner(*args, **kwargs)
+
+    model.forward = wrapped  # type: ignore[method-assign]
+    handle.remove()
+    assert model.forward is wrapped
+    del model.forward
