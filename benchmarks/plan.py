@@ -22,9 +22,10 @@ In one run:
    width-256 transformer stack, 100 small MLP blocks, and GPT-2, Mixtral and BERT of
    transformers built from configs (when transformers is installed), each over ``--rounds``
    alternating rounds:
-   - planning cost: one ``profile_step`` and ``plan_activations``, in unplanned steps (target
-     <= 5), the runs of the step one profile makes (a count, the same on any machine load), and
-     the slowest solve from a profile (target < 1 s);
+   - planning cost: one ``plan_activations`` (the recorded step, the solve, the confirming
+     step), in unplanned steps (target <= 5), the runs of the step it makes (a count, the same
+     on any machine load: 2), and the slowest solve from a profile (target < 1 s); the closing
+     table has a row per model with the column "planning cost in unplanned steps";
    - stable plans: the plans each round's profile gives for the same budgets, and how many
      budgets got one plan in every round (target: all);
    - least peak: the least budget's measured peak over full checkpointing's (target <= 1);
@@ -344,10 +345,14 @@ def _compiled_peak(model: nn.Module, step: Callable[[], None], budget: float) ->
 
 def _planning_rounds(
     model: nn.Module, step: Callable[[], None], rounds: int
-) -> tuple[Spread, list[float], list[dict[float, tensorhooks.ActivationPlan]]]:
-    """Planning against the unplanned step, alternating: cost per round, solves, plans."""
-    plans: list[dict[float, tensorhooks.ActivationPlan]] = []
-    solves: list[float] = []
+) -> tuple[Spread, list[float], list[dict[float, tensorhooks.ActivationPlan]], list[int]]:
+    """Planning against the unplanned step, alternating: cost per round, solves, plans, runs.
+
+    Planning is one `plan_activations` at half the unplanned peak: the recorded step, the solve
+    and the confirming step. Each round's profile is then solved for every budget of
+    `COST_BUDGETS` (timed apart: the slowest solve).
+    """
+    profiles: list[tensorhooks.StepProfile] = []
     runs: list[int] = []
 
     def planning() -> None:
@@ -358,15 +363,9 @@ def _planning_rounds(
             calls += 1
             step()
 
-        profile = tensorhooks.profile_step(model, counted)
+        plan = tensorhooks.plan_activations(model, counted, 0.5)
         runs.append(calls)
-        found = {}
-        for budget in COST_BUDGETS:
-            start = time.perf_counter()
-            with contextlib.suppress(tensorhooks.PlanBudgetError):
-                found[budget] = tensorhooks.plan_activations(model, step, budget, profile=profile)
-            solves.append(time.perf_counter() - start)
-        plans.append(found)
+        profiles.append(plan.profile)
 
     def unplanned() -> None:
         step()
@@ -375,17 +374,26 @@ def _planning_rounds(
     timings = interleaved(
         {"unplanned step": unplanned, "planning": planning}, rounds=rounds, inner=1, warmup=1
     )
-    print(f"runs of the step per profile: {min(runs)} to {max(runs)} (of {len(runs)} profiles)")
-    # The warm-up round's plans are not compared.
-    return timings.ratio("planning", "unplanned step"), solves, plans[1:]
+    solves: list[float] = []
+    plans: list[dict[float, tensorhooks.ActivationPlan]] = []
+    for profile in profiles[1:]:  # the warm-up round's are not compared
+        found = {}
+        for budget in COST_BUDGETS:
+            start = time.perf_counter()
+            with contextlib.suppress(tensorhooks.PlanBudgetError):
+                found[budget] = tensorhooks.plan_activations(model, step, budget, profile=profile)
+            solves.append(time.perf_counter() - start)
+        plans.append(found)
+    return timings.ratio("planning", "unplanned step"), solves, plans, runs
 
 
 def cost_rows(rounds: int, quick: bool) -> None:
     """Part 4: planning cost, stable plans, least peak, speed, and torch.compile's budget."""
     torch.set_num_threads(1)
+    summary: list[str] = []
     for name, model, step in cost_models(quick):
         print(f"\n{name}")
-        cost, solves, plans = _planning_rounds(model, step, rounds)
+        cost, solves, plans, runs = _planning_rounds(model, step, rounds)
         check_target(f"{name}: planning / unplanned step", cost, at_most=5.0)
         check_target(f"{name}: slowest solve, seconds", max(solves), at_most=1.0, unit=" s")
         stable = [
@@ -400,6 +408,10 @@ def cost_rows(rounds: int, quick: bool) -> None:
             at_least=1.0,
             exact=True,
             unit="",
+        )
+        summary.append(
+            f"| {name} | {cost.format()} | {min(runs)}-{max(runs)} | {max(solves) * 1e3:.1f} ms "
+            f"| {len(stable)} of {len(COST_BUDGETS)} |"
         )
         profile = tensorhooks.profile_step(model, step, rounds=rounds)
         first = tensorhooks.plan_activations(model, step, 1.0, profile=profile)
@@ -442,6 +454,13 @@ def cost_rows(rounds: int, quick: bool) -> None:
             theirs = _compiled_peak(model, step, budget)
             compiled = "failed" if theirs is None else f"{theirs / 2**20:.3f}"
             print(f"| {budget:.0%} | {ours} | {compiled} |")
+    print(
+        "\n| model | planning cost in unplanned steps | runs of the step | slowest solve "
+        "| budgets planned alike |"
+    )
+    print("|---|---:|---:|---:|---:|")
+    for row in summary:
+        print(row)
 
 
 def main() -> int:

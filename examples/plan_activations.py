@@ -3,8 +3,10 @@
 `tensorhooks.plan_activations` profiles one step, then chooses per block what to keep, what to
 recompute and (with a host link) what to offload, so that the bytes autograd holds for backward
 stay under the budget at the least predicted step time. The plan is printed, checked against a
-measured step, and applied to a few training steps; the loss must go down and the gradients of
-the first step must equal the unplanned model's.
+measured step, and applied to a few training steps on batches of other lengths (as a collator
+padding each batch to its longest row gives them): every step's measured peak must be within the
+budget, the loss must go down and the gradients of the first step must equal the unplanned
+model's.
 
 On a GPU the host link is measured and offloading enters the plans by itself; here, on a CPU,
 ``--bandwidth`` simulates one (the tensors stay in place and count as host bytes).
@@ -94,15 +96,24 @@ def main() -> None:
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     losses = []
-    with plan.apply():
-        for index in range(args.steps):
-            optimizer.zero_grad()
-            losses.append(step().item())
-            if index == 0:
-                grads = [parameter.grad for parameter in model.parameters()]
-                assert all(torch.equal(a, b) for a, b in zip(grads, unplanned, strict=True))
-            optimizer.step()
-    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {args.steps} planned steps")
+    lengths = [65, 81, 49, 73]  # the plan was profiled on 65 tokens: longer batches come too
+    for index in range(args.steps):
+        batch = torch.cat([tokens, tokens[:, 1:]], dim=1)[:, : lengths[index % len(lengths)]]
+        optimizer.zero_grad()
+        with plan:  # measures this step; a longer batch is planned for before it runs
+            loss = model(batch)
+            loss.backward()
+        assert plan.measured_peak_bytes is not None
+        assert plan.measured_peak_bytes <= plan.budget_bytes, (batch.shape, plan)
+        losses.append(loss.item())
+        if index == 0:
+            grads = [parameter.grad for parameter in model.parameters()]
+            assert all(torch.equal(a, b) for a, b in zip(grads, unplanned, strict=True))
+        optimizer.step()
+    print(
+        f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {args.steps} planned steps on batches of "
+        f"{sorted(set(lengths))} tokens; planned again for {plan.replans} longer ones"
+    )
     assert losses[-1] < losses[0]
     assert tensorhooks.live_graph_tasks() == 0
 

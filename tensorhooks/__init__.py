@@ -36,6 +36,7 @@ from ._core.errors import ParameterOffloadValueError as ParameterOffloadValueErr
 from ._core.errors import PlanArgumentTypeError as PlanArgumentTypeError
 from ._core.errors import PlanArgumentValueError as PlanArgumentValueError
 from ._core.errors import PlanBudgetError as PlanBudgetError
+from ._core.errors import PlanBudgetWarning as PlanBudgetWarning
 from ._core.errors import PlanStateError as PlanStateError
 from ._core.errors import SavedTensorModifiedError as SavedTensorModifiedError
 from ._core.errors import SyncArgumentTypeError as SyncArgumentTypeError
@@ -109,6 +110,7 @@ __all__ = [
     "PlanArgumentTypeError",
     "PlanArgumentValueError",
     "PlanBudgetError",
+    "PlanBudgetWarning",
     "PlanReport",
     "PlanStateError",
     "SavedTensorModifiedError",

@@ -32,7 +32,8 @@ same situation, so code written against ``torch.autograd.graph`` (``except Runti
   `PlanArgumentTypeError` (``TypeError``); a value they cannot use: `PlanArgumentValueError`
   (``ValueError``); a budget below the least peak any plan reaches: `PlanBudgetError`
   (``ValueError``); a plan applied twice, or a step that does not run as profiled:
-  `PlanStateError` (``RuntimeError``).
+  `PlanStateError` (``RuntimeError``); a planned step that may hold more than the budget (a
+  warning, not an error): `PlanBudgetWarning` (``UserWarning``).
 * ``tensorhooks.testing``, hooks or a context that changed a gradient: its
   ``GradientMismatchError`` (``AssertionError``), defined there with the checkers that raise it;
   a strategy or checker option it does not know: its ``CheckArgumentValueError``
@@ -67,6 +68,7 @@ __all__ = [
     "PlanArgumentTypeError",
     "PlanArgumentValueError",
     "PlanBudgetError",
+    "PlanBudgetWarning",
     "PlanStateError",
     "SavedTensorModifiedError",
     "SyncArgumentTypeError",
@@ -267,4 +269,16 @@ class PlanStateError(TensorHooksError, RuntimeError):
 
     Such as entering a plan twice, removing a handle twice, a block that ran twice in one step,
     or a block whose forward was replaced by someone else meanwhile. Inherits `RuntimeError`.
+    """
+
+
+class PlanBudgetWarning(TensorHooksError, UserWarning):  # noqa: N818  # a warning category
+    """A planned step may hold more than the plan's budget, and the plan cannot prevent it.
+
+    Warned once per plan with the figures: a step whose input sizes outgrow what any plan fits
+    in the budget, a measured peak above the budget, or a Hugging Face layer in eval mode that
+    keeps its KV cache and so is not recomputed. Turn it into an error with
+    ``warnings.simplefilter("error", tensorhooks.PlanBudgetWarning)``. A ``UserWarning``, as
+    torch's own warnings about a setting it cannot honour, and a `TensorHooksError` like every
+    class here.
     """

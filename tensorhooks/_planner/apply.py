@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,22 +25,20 @@ from tensorhooks._checkpoint import (
     create_selective_checkpoint_contexts,
     is_recomputing,
 )
-from tensorhooks._core.errors import PlanStateError
+from tensorhooks._core.errors import PlanBudgetWarning, PlanStateError
 from tensorhooks._core.torch_compat import CheckpointPolicy, OpOverload
 
 from .accounting import DEVICE, HOST, HeldBytes, Hold, delegating_hooks
+from .layers import cache_arguments, hf_checkpointing_message, hf_checkpointing_on, positional_names
 
 __all__ = [
-    "CACHE_ARGUMENTS",
     "OFFLOAD",
     "SAVE",
     "Action",
     "Application",
+    "Warned",
     "Watcher",
-    "hf_checkpointing_message",
-    "hf_checkpointing_on",
     "tensors_in",
-    "without_cache",
 ]
 
 SAVE = "save"
@@ -88,8 +86,8 @@ class Watcher:
         """Around block ``index``'s recomputation, in backward."""
         return contextlib.nullcontext()
 
-    def inputs(self, index: int, tensors: list[torch.Tensor]) -> None:
-        """The tensor arguments block ``index`` is called with (its region's inputs)."""
+    def called(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Block ``index`` is called with ``args`` and ``kwargs`` (before it runs)."""
 
     def kept(self, index: int, tensor: torch.Tensor) -> None:
         """A tensor block ``index``'s recomputation keeps for backward, in save order."""
@@ -149,72 +147,46 @@ class _RegionHolds:
         self.kept.pop(position, None)
 
 
-# NOTE [Caches of Hugging Face layers]
-#
-# A Hugging Face decoder layer (a ``GradientCheckpointingLayer``) appends its keys and values to
-# the KV cache it is handed; recomputing it in backward would append them again (a size error,
-# or checkpoint's "ran during recomputation but not in the forward pass"). Causal LMs keep
-# ``use_cache=True`` in training, so a checkpointed layer runs without a cache, as Hugging Face's
-# own gradient checkpointing does (``GradientCheckpointingLayer`` in
-# transformers/modeling_layers.py): ``use_cache=False``, and unless the layer only reads the
-# cache (``_can_checkpoint_with_cache``), ``cache=None`` and ``layer_past=None``. Kept layers
-# still fill the cache; a checkpointed one leaves its entry out, as with Hugging Face's.
+class Warned:
+    """What a plan warned of already: each kind of `PlanBudgetWarning` is given once."""
 
-CACHE_ARGUMENTS = ("cache", "layer_past", "past_key_value", "past_key_values")
-"""The names Hugging Face layers take a KV cache by (``cache`` since transformers 5)."""
+    def __init__(self) -> None:
+        self.kinds: set[str] = set()
+
+    def once(self, kind: str, message: str) -> None:
+        """Warn ``message`` unless a warning of ``kind`` was given before."""
+        if kind in self.kinds:
+            return
+        self.kinds.add(kind)
+        warnings.warn(message, PlanBudgetWarning, stacklevel=4)
 
 
-def without_cache(
-    module: nn.Module, positions: Sequence[str], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The arguments of a checkpointed Hugging Face layer with its cache off.
+class _RootForward:
+    """The model's ``forward`` while an application that watches its calls is installed.
 
-    See NOTE [Caches of Hugging Face layers]. Other modules' arguments are left as they are. A
-    cache passed by position (GPT-2's blocks take it second) is found by its parameter's name
-    in ``positions``, the names of the forward's positional parameters.
+    Like `_BlockForward` an instance attribute, not a hook: a copy or a pickle of the model is a
+    plain model.
     """
-    reads_only = getattr(type(module), "_can_checkpoint_with_cache", None)
-    if reads_only is None:  # not a Hugging Face GradientCheckpointingLayer
-        return args, kwargs
-    names = ("use_cache",) if reads_only else ("use_cache", *CACHE_ARGUMENTS)
-    off = {name: False if name == "use_cache" else None for name in names}
-    changed = {name: _off(off, name, value) for name, value in kwargs.items()}
-    values = [_off(off, name, value) for name, value in zip(positions, args, strict=False)]
-    return (*values, *args[len(values) :]), changed
 
+    __slots__ = ("on_call", "original")
 
-def _off(off: dict[str, Any], name: str, value: Any) -> Any:
-    """``value``, or what turns the cache off if ``name`` is a cache argument (None stays)."""
-    return off[name] if name in off and value is not None else value
+    def __init__(
+        self,
+        original: Callable[..., Any],
+        on_call: Callable[[tuple[Any, ...], dict[str, Any]], None],
+    ) -> None:
+        self.original = original
+        self.on_call = on_call
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.on_call(args, kwargs)
+        return self.original(*args, **kwargs)
 
-def _positional_names(forward: Callable[..., Any]) -> tuple[str, ...]:
-    """The names of ``forward``'s positional parameters, in order (none if it has no signature)."""
-    try:
-        parameters = inspect.signature(forward).parameters.values()
-    except (TypeError, ValueError):
-        return ()
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return tuple(parameter.name for parameter in parameters if parameter.kind in kinds)
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return copy.deepcopy(self.original, memo)
 
-
-def hf_checkpointing_message(caller: str) -> str:
-    """What to say when Hugging Face's gradient checkpointing is on under a plan."""
-    return (
-        f"{caller}: the model's own gradient checkpointing is on "
-        "(model.gradient_checkpointing_enable() or activation_checkpointing_enable()), so its "
-        "layers would be checkpointed twice and the plan's figures would not hold; call "
-        "model.gradient_checkpointing_disable() (the plan checkpoints the layers itself)"
-    )
-
-
-def hf_checkpointing_on(modules: Sequence[nn.Module]) -> bool:
-    """Whether Hugging Face's gradient checkpointing is on in ``modules`` or inside them."""
-    return any(
-        getattr(inner, "gradient_checkpointing", False) is True
-        for module in modules
-        for inner in module.modules()
-    )
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self.original.__reduce_ex__(protocol)
 
 
 class _BlockForward:
@@ -228,22 +200,37 @@ class _BlockForward:
         self.module = application.blocks[index]
         self.original: Callable[..., Any] = self.module.forward
         self.action = action
-        self.positions = _positional_names(self.original)
+        self.positions = positional_names(self.original)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         application = self.application
         watcher = application.watcher
         if self.module.__dict__.get("gradient_checkpointing") is True:
             raise PlanStateError(hf_checkpointing_message(self.application.caller))
+        if application.on_call is not None:
+            application.on_call(self.index, args, kwargs)
+        action = self.action
         with watcher.forward(self.index):
-            if not self.action.checkpoint or not torch.is_grad_enabled():
+            watcher.called(self.index, args, kwargs)
+            if not action.checkpoint or not torch.is_grad_enabled():
+                if watcher is _SILENT:
+                    return self.original(*args, **kwargs)
+                # Recorded as it would run checkpointed (a layer's cache off in training), so
+                # that the ops a policy names are the ones a checkpointed block runs.
+                arguments = cache_arguments(self.module, self.positions, args, kwargs)
+                if arguments is not None:
+                    args, kwargs = arguments
+                with watcher.function(self.index):
+                    return self.original(*args, **kwargs)
+            arguments = cache_arguments(self.module, self.positions, args, kwargs)
+            if arguments is None:  # eval mode, with a KV cache: see NOTE [Caches of ...]
+                application.kept_for_cache(self.index)
                 return self.original(*args, **kwargs)
-            args, kwargs = without_cache(self.module, self.positions, args, kwargs)
-            watcher.inputs(self.index, tensors_in((args, kwargs), []))
+            args, kwargs = arguments
             holds = None if application.held is None else _RegionHolds(application.held)
             function = self._function(holds)
-            context_fn = self._contexts(holds)
-            with self._input_offload():
+            context_fn = self._contexts(action, holds)
+            with self._input_offload(action):
                 if context_fn is None:
                     return checkpoint(function, *args, use_reentrant=False, **kwargs)
                 return checkpoint(
@@ -287,10 +274,12 @@ class _BlockForward:
 
         return forward
 
-    def _contexts(self, holds: _RegionHolds | None) -> Callable[[], tuple[Any, Any]] | None:
+    def _contexts(
+        self, action: Action, holds: _RegionHolds | None
+    ) -> Callable[[], tuple[Any, Any]] | None:
         """The ``context_fn`` of a selective policy, or None when every op is recomputed."""
-        cached = self.action.cached
-        if not cached and not self.action.selective:
+        cached = action.cached
+        if not cached and not action.selective:
             return None
         offload = self.application.policy_offload
 
@@ -316,10 +305,10 @@ class _BlockForward:
         return context_fn
 
     @contextlib.contextmanager
-    def _input_offload(self) -> Iterator[None]:
+    def _input_offload(self, action: Action) -> Iterator[None]:
         """Around the checkpoint call: the region's inputs go to host memory if the plan says."""
         application = self.application
-        if not self.action.offload_input:
+        if not action.offload_input:
             yield
             return
         with application.input_offload:
@@ -363,6 +352,12 @@ class Application:
         min_offload_bytes: region inputs smaller than this stay on the device when a block
             offloads its input.
         caller: the function named in errors.
+        warnings: what was warned of already (a plan's, so that it warns once across its
+            applications); default: a new one.
+        on_call: called with each block's index and arguments before the block runs, on a
+            forward call (a plan changes its actions there when the step's sizes change).
+        root: a module whose calls ``on_root_call`` hears (the model), or None.
+        on_root_call: called with the arguments of each call of ``root``, before it runs.
     """
 
     def __init__(
@@ -374,9 +369,18 @@ class Application:
         watcher: Watcher | None = None,
         min_offload_bytes: int = 1 << 20,
         caller: str = "plan_activations",
+        warnings: Warned | None = None,
+        on_call: Callable[[int, tuple[Any, ...], dict[str, Any]], None] | None = None,
+        root: nn.Module | None = None,
+        on_root_call: Callable[[tuple[Any, ...], dict[str, Any]], None] | None = None,
     ) -> None:
         self.blocks = list(blocks)
         self.caller = caller
+        self.warned = Warned() if warnings is None else warnings
+        self.on_call = on_call
+        self.root = root
+        self.on_root_call = on_root_call
+        self._forwards: list[_BlockForward] = []
         self.actions = list(actions)
         self.held = held
         self.watcher = _SILENT if watcher is None else watcher
@@ -386,6 +390,18 @@ class Application:
         self.policy_offload = save_on_cpu(pin_memory=True, min_offload_bytes=0)
         self.input_offload = save_on_cpu(pin_memory=True, min_offload_bytes=min_offload_bytes)
         self._previous: list[tuple[nn.Module, Any]] = []
+
+    def kept_for_cache(self, index: int) -> None:
+        """Block ``index`` runs as it is, its plan aside, to keep a KV cache: warn once."""
+        name = type(self.blocks[index]).__name__
+        self.warned.once(
+            "cache",
+            f"{self.caller}: block {index} ({name}) runs in eval mode with a KV cache it writes; "
+            "as under Hugging Face's gradient checkpointing it keeps the cache and is not "
+            "recomputed, so it holds all its activations and the step may exceed the plan's "
+            "budget. Call the model with use_cache=False (or in train mode) for the plan to "
+            "hold",
+        )
 
     def install(self) -> None:
         """Replace each block's ``forward``.
@@ -405,12 +421,27 @@ class Application:
                 )
         for index, (block, action) in enumerate(zip(self.blocks, self.actions, strict=True)):
             self._previous.append((block, block.__dict__.get("forward", _UNSET)))
-            block.forward = _BlockForward(self, index, action)
+            forward = _BlockForward(self, index, action)
+            self._forwards.append(forward)
+            block.forward = forward
+        root = self.root
+        if root is not None and self.on_root_call is not None:
+            self._previous.append((root, root.__dict__.get("forward", _UNSET)))
+            root.forward = _RootForward(root.forward, self.on_root_call)
+
+    def set_actions(self, actions: Sequence[Action]) -> None:
+        """What each block does from its next call on (the installed blocks included)."""
+        self.actions = list(actions)
+        for forward, action in zip(self._forwards, self.actions, strict=False):
+            forward.action = action
 
     def remove(self) -> None:
         """Give each block its own ``forward`` back."""
         previous, self._previous = self._previous, []
+        self._forwards = []
         for block, before in previous:
+            if block is self.root and not isinstance(block.__dict__.get("forward"), _RootForward):
+                continue  # its forward was wrapped again since (a trainer's): left as it is
             if before is _UNSET:
                 block.__dict__.pop("forward", None)
             else:

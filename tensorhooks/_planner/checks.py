@@ -1,10 +1,11 @@
 """What planning checks before it trusts a step, and what it puts back after running it.
 
 - `untouched`: the model's buffers, the parameters' ``.grad`` and the RNG states are as they
-  were after the profiled steps (profiling runs the step many times).
-- `StepWatch`: one warm-up step, watched: the order the blocks run in, whether a backward ran,
-  and whether that backward records a graph (``create_graph=True``), which the cost model does
-  not price. See NOTE [What the cost model cannot price].
+  were after the steps planning runs (the recorded one, the confirming one).
+- `StepWatch`: the recorded step, watched: the order the blocks run in, whether a backward ran,
+  whether that backward records a graph (``create_graph=True``), which the cost model does not
+  price (see NOTE [What the cost model cannot price]), and what a plan could not run (a block
+  that writes its input, or is handed a cache it writes).
 - `budget_in_bytes`: a budget in bytes, from an int, a fraction or a string with units.
 """
 
@@ -21,16 +22,22 @@ from torch import nn
 
 from tensorhooks._checkpoint import is_recomputing
 from tensorhooks._core.errors import PlanArgumentTypeError, PlanArgumentValueError, PlanStateError
+from tensorhooks._core.guards import current_save_guard
 from tensorhooks._core.torch_compat import (
     OpOverload,
-    TorchDispatchMode,
     current_graph_task_id,
     op_schema,
     storage_key,
 )
-from tensorhooks._hooks import saved_tensors_hooks
 
-from .apply import CACHE_ARGUMENTS, hf_checkpointing_message, hf_checkpointing_on, tensors_in
+from .apply import tensors_in
+from .layers import (
+    CACHE_ARGUMENTS,
+    hf_checkpointing_message,
+    hf_checkpointing_on,
+    is_hf_layer,
+    writes_cache,
+)
 
 __all__ = ["StepWatch", "budget_in_bytes", "check_model_state", "untouched"]
 
@@ -104,31 +111,6 @@ def check_model_state(model: nn.Module, caller: str) -> None:
         raise PlanStateError(hf_checkpointing_message(caller))
 
 
-class _WatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
-    """Notes whether a backward ran."""
-
-    def __init__(self, watch: StepWatch) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]  # torch's __init__ is untyped
-        self.watch = watch
-
-    def __torch_dispatch__(
-        self,
-        func: OpOverload,
-        types: Sequence[type],
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = {} if kwargs is None else kwargs
-        watch = self.watch
-        if current_graph_task_id() != -1:
-            watch.backward = True
-        elif watch.inputs and watch.written is None and not is_recomputing():
-            written = {storage_key(tensor) for tensor in _written(func, args, kwargs)} - {None}
-            if written & watch.inputs[-1][1]:
-                watch.written = (watch.inputs[-1][0], func)
-        return func(*args, **kwargs)
-
-
 def _written(func: OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The tensor arguments ``func`` writes in place."""
     schema = op_schema(func)
@@ -144,24 +126,44 @@ def _written(func: OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> l
     return found
 
 
-def _with_cache(module: nn.Module, kwargs: object) -> bool:
-    """Whether ``module`` (not a Hugging Face layer, whose cache a plan turns off) gets a cache.
+def _with_cache(module: nn.Module, args: object, kwargs: object) -> bool:
+    """Whether ``module`` gets a cache that a plan cannot turn off, which it would write again.
 
-    See NOTE [Caches of Hugging Face layers] in `apply`.
+    A Hugging Face layer's cache is turned off in training mode; in eval mode the layer keeps a
+    cache it writes and is not recomputed (see NOTE [Caches of Hugging Face layers] in
+    `layers`), so no plan holds there.
     """
-    if hasattr(type(module), "_can_checkpoint_with_cache") or not isinstance(kwargs, dict):
+    if not isinstance(kwargs, dict) or not isinstance(args, tuple):
         return False
+    if is_hf_layer(module):
+        return not module.training and writes_cache(module, args, kwargs)
     if kwargs.get("use_cache") or any(kwargs.get(name) is not None for name in CACHE_ARGUMENTS):
         return True
     return getattr(getattr(module, "config", None), "use_cache", False) is True
 
 
-def _same(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
+class _Refused(Exception):  # noqa: N818  # not an error of the user's: a stop signal
+    """Raised from a block's pre-hook to stop a watched step that no plan could hold."""
+
+
+def _handed_cache(module: nn.Module, kwargs: object) -> bool:
+    """Whether the call itself hands ``module`` a cache (not only its config's ``use_cache``)."""
+    if is_hf_layer(module):
+        return True
+    if not isinstance(kwargs, dict):
+        return False
+    return bool(kwargs.get("use_cache")) or any(
+        kwargs.get(name) is not None for name in CACHE_ARGUMENTS
+    )
 
 
 class StepWatch:
     """One step, watched: the blocks' order, a backward, a backward that records a graph.
+
+    The recorder of the profiled step tells it what it sees (`note_write`, `note_backward`,
+    `note_save_in_backward`); `watching` adds hooks on the blocks. After the step, `check`
+    refuses what the cost model cannot price or a plan could not run; `failed` says why a step
+    that raised did.
 
     Args:
         blocks: the blocks, in the order they are listed.
@@ -177,13 +179,11 @@ class StepWatch:
         self.inputs: list[tuple[int, set[int | None]]] = []  # blocks running: their inputs
         self.written: tuple[int, OpOverload] | None = None  # a block that wrote its input
         self.cached: int | None = None  # a block called with a KV cache it may write
+        self.handed: bool = False  # ... which it was handed (not only its config's use_cache)
 
-    def run(self, step: Callable[[], object]) -> None:
-        """Call ``step`` (already wrapped as the caller wants it run), watched.
-
-        Raises:
-            PlanStateError: if the step ran no backward, or its backward records a graph.
-        """
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Hooks on the blocks while the body runs the step."""
         handles = [
             hook
             for index, block in enumerate(self.blocks)
@@ -193,24 +193,69 @@ class StepWatch:
             )
         ]
         try:
-            with _WatchMode(self), saved_tensors_hooks(self._pack, _same):
-                step()
-        except Exception as error:
-            self._check()  # the cause the step's own error may hide
-            if self.written is not None:
-                raise PlanStateError(self._written_message()) from error
-            if self.cached is not None:
-                raise PlanStateError(self._cached_message()) from error
-            raise
+            yield
+        except _Refused:
+            raise PlanStateError(self._cached_message()) from None
         finally:
             for handle in handles:
                 handle.remove()
-        self._check()
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        if current_graph_task_id() != -1 and not is_recomputing():
-            self.graph = True  # see NOTE [What the cost model cannot price]
-        return tensor
+    def note_write(self, func: OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """A forward op that writes in place: does it write the running block's input?"""
+        if not self.inputs or self.written is not None or is_recomputing():
+            return
+        if current_save_guard().lets_saved_tensors_change:
+            return  # saved tensors are copied before a write (allow_mutation_on_saved_tensors)
+        written = {storage_key(tensor) for tensor in _written(func, args, kwargs)} - {None}
+        if written & self.inputs[-1][1]:
+            self.written = (self.inputs[-1][0], func)
+
+    def note_backward(self) -> None:
+        """An op ran in backward."""
+        self.backward = True
+
+    def note_save_in_backward(self) -> None:
+        """A tensor was saved in backward, outside recomputations: a second backward's."""
+        self.graph = True  # see NOTE [What the cost model cannot price]
+
+    def failed(self, error: Exception) -> None:
+        """The step raised ``error``: raise what caused it, if the watch saw it.
+
+        Raises:
+            PlanStateError: the cause the step's own error may hide (a block that wrote its
+                input, or was handed a cache its recomputation wrote again).
+        """
+        if isinstance(error, PlanStateError):
+            return
+        if self.written is not None:
+            raise PlanStateError(self._written_message()) from error
+        if self.cached is not None:
+            raise PlanStateError(self._cached_message()) from error
+
+    def check(self) -> None:
+        """Refuse a step the cost model cannot price, or that a plan could not run.
+
+        Raises:
+            PlanStateError: if the step ran no backward, its backward records a graph, a block
+                wrote its input, or a block was handed a cache it writes.
+        """
+        if self.graph:
+            raise PlanStateError(
+                f"{self.caller}: the step's backward records a graph (create_graph=True, as a "
+                "gradient penalty's torch.autograd.grad does, or a reentrant checkpoint running "
+                "its function again); what it saves in backward is not priced by the cost "
+                "model, so no budget could be kept. Plan a step without create_graph (and "
+                "use_reentrant=False), or checkpoint by hand (tensorhooks.checkpoint)"
+            )
+        if not self.backward:
+            raise PlanStateError(
+                f"{self.caller}: the step ran no backward; step must run one forward and "
+                "backward the way training does (call loss.backward() in it)"
+            )
+        if self.written is not None:
+            raise PlanStateError(self._written_message())
+        if self.cached is not None and self.handed:
+            raise PlanStateError(self._cached_message())
 
     def _pre_hook(self, index: int) -> Callable[..., None]:
         def note(module: nn.Module, args: object, kwargs: object) -> None:
@@ -218,8 +263,11 @@ class StepWatch:
                 self.order.append(index)
                 keys = {storage_key(tensor) for tensor in tensors_in((args, kwargs), [])}
                 self.inputs.append((index, keys))
-                if self.cached is None and _with_cache(module, kwargs):
+                if self.cached is None and _with_cache(module, args, kwargs):
                     self.cached = index
+                    self.handed = _handed_cache(module, kwargs)
+                    if is_hf_layer(module):  # it would run as it is: stop the step here
+                        raise _Refused
 
         return note
 
@@ -229,7 +277,16 @@ class StepWatch:
 
     def _cached_message(self) -> str:
         assert self.cached is not None
-        name = type(self.blocks[self.cached]).__name__
+        block = self.blocks[self.cached]
+        name = type(block).__name__
+        if is_hf_layer(block):
+            return (
+                f"{self.caller}: block {self.cached} ({name}) runs in eval mode with a KV cache "
+                "it writes; as under Hugging Face's gradient checkpointing, a layer in eval mode "
+                "keeps its cache and is not recomputed, so no plan could hold. Call the model "
+                "with use_cache=False in the step (or set model.config.use_cache = False), or "
+                "profile it in train mode (model.train())"
+            )
         return (
             f"{self.caller}: block {self.cached} ({name}) runs with a KV cache (use_cache=True, "
             "or a cache argument), which its recomputation in backward writes again; call the "
@@ -248,21 +305,6 @@ class StepWatch:
             "it. Make that op out of place (x = x * 2 rather than x.mul_(2)), or pass "
             "blocks=[...] that leave this one out"
         )
-
-    def _check(self) -> None:
-        if self.graph:
-            raise PlanStateError(
-                f"{self.caller}: the step's backward records a graph (create_graph=True, as a "
-                "gradient penalty's torch.autograd.grad does, or a reentrant checkpoint running "
-                "its function again); what it saves in backward is not priced by the cost "
-                "model, so no budget could be kept. Plan a step without create_graph (and "
-                "use_reentrant=False), or checkpoint by hand (tensorhooks.checkpoint)"
-            )
-        if not self.backward:
-            raise PlanStateError(
-                f"{self.caller}: the step ran no backward; step must run one forward and "
-                "backward the way training does (call loss.backward() in it)"
-            )
 
     def run_order(self) -> list[int]:
         """The blocks in the order their forward first started (those that ran)."""

@@ -5,13 +5,15 @@ See NOTE [The cost model of a plan] below.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .apply import OpKey
-from .profiling import BlockProfile, StepProfile
+from .profiles import BlockProfile, StepProfile
 
 __all__ = [
+    "NOISE",
     "OFFLOAD",
     "RECOMPUTE",
     "SAVE",
@@ -42,6 +44,11 @@ __all__ = [
 #
 #     peak = max(fixed + sum(device) + after,  max_j fixed + sum(device[i] for i < j) + backward[j])
 #
+# What the model saves between a block and the next (``following``) is held from there until
+# the block's own backward starts: it adds to the block's ``device`` bytes whatever it chooses,
+# and not to its ``backward`` ones. A storage several parts save counts once, at the first (see
+# NOTE [Who holds a storage saved by several parts] in `summary`).
+#
 # Time. Every predicted step is the profiled step with every block recomputed, plus each
 # block's change: keeping a block saves its recomputation and checkpoint's own overhead; a policy
 # costs its dispatch modes per op, and saves the time of each op it caches (a cached op does not
@@ -53,6 +60,15 @@ __all__ = [
 # ``max(0, bytes / bandwidth - window)`` per direction. The last block, whose windows are short,
 # keeps its activations unless memory is scarcer than time.
 #
+# Noise. A profile's times are one recorded step's, so two profiles of the same step differ by
+# noise, and a plan that followed every difference would change from profile to profile. Every
+# time a choice saves is rounded down, and every time it costs rounded up, to a grain of `NOISE`
+# of a block's share of the step: a choice whose gain is below the grain is not worth it (an op
+# whose recomputation takes less is recomputed), and choices whose gains differ by less tie
+# more often, where ties go to the plan that holds less, then to block order. So the simpler
+# plan wins within the noise. The solver stays exact over the rounded times, so a larger budget
+# still never predicts a slower step.
+#
 # Which ops of a block are candidates: real ops (not views, not writes into an input) that run
 # again in a recomputation and whose outputs no other part of the step saves. Without a link
 # (``bandwidth=None``, a CPU) nothing is offloaded; tensors below ``min_offload_bytes`` never
@@ -61,6 +77,8 @@ __all__ = [
 RECOMPUTE = 0
 SAVE = 1
 OFFLOAD = 2
+NOISE = 0.05
+"""The grain of a plan's times, as a fraction of a block's share of the step (see NOTE above)."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +118,8 @@ class BlockCosts:
     """Op time that hides the block's copies to the host (the next block's forward)."""
     backward_window: float
     """Op time that hides the copies back (the next block's backward)."""
+    following_bytes: int = 0
+    """Bytes saved after the block and before the next, held until its backward, any choice."""
 
 
 @dataclass(frozen=True)
@@ -153,6 +173,16 @@ def ticked(seconds: float) -> float:
     return round(seconds / TICK) * TICK
 
 
+def _down(seconds: float, grain: float) -> float:
+    """``seconds`` rounded down to the grain (see NOTE [The cost model of a plan], "Noise")."""
+    return math.floor(seconds / grain) * grain if seconds > 0 else 0.0
+
+
+def _up(seconds: float, grain: float) -> float:
+    """``seconds`` rounded up to the grain."""
+    return math.ceil(seconds / grain) * grain if seconds > 0 else 0.0
+
+
 def exposed_seconds(block: BlockCosts, offloaded: int, bandwidth: float | None) -> float:
     """Copy time of ``offloaded`` bytes that the block's windows do not hide, both directions."""
     if offloaded == 0 or bandwidth is None:
@@ -164,8 +194,13 @@ def exposed_seconds(block: BlockCosts, offloaded: int, bandwidth: float | None) 
 def choice_outcome(block: BlockCosts, choice: Choice, bandwidth: float | None) -> Outcome:
     """What ``choice`` holds and costs for ``block``."""
     if choice.keep:
-        return Outcome(block.saved_bytes, block.saved_bytes, 0, ticked(block.keep_seconds))
-    device = block.input_bytes
+        return Outcome(
+            block.saved_bytes + block.following_bytes,
+            block.saved_bytes,
+            0,
+            ticked(block.keep_seconds),
+        )
+    device = block.input_bytes + block.following_bytes
     backward = block.saved_bytes + block.input_unsaved_bytes
     host = 0
     if choice.offload_input:
@@ -205,7 +240,8 @@ def plan_seconds(table: CostTable, outcomes: Sequence[Outcome]) -> float:
 
 
 def _input_parts(block: BlockProfile, threshold: int) -> tuple[int, int]:
-    moved = [item for item in block.inputs if item.tensor_bytes >= threshold]
+    # An input other parts save too stays on the device for them: offloading it frees nothing.
+    moved = [item for item in block.inputs if item.tensor_bytes >= threshold and not item.shared]
     return (
         sum(item.nbytes for item in moved),
         sum(item.nbytes for item in moved if not item.saved),
@@ -219,6 +255,7 @@ def cost_table(
     blocks = []
     keys: list[list[OpKey]] = []
     count = len(profile.blocks)
+    grain = max(TICK, NOISE * profile.checkpointed_step_seconds / max(count, 1))
     for index, block in enumerate(profile.blocks):
         following = profile.blocks[index + 1] if index + 1 < count else None
         forward_window = following.forward_seconds if following else profile.after_forward_seconds
@@ -236,7 +273,7 @@ def cost_table(
                     OpCost(
                         saved_bytes=op.saved_bytes,
                         other_bytes=op.other_bytes,
-                        seconds=op.seconds - profile.cached_op_seconds,
+                        seconds=_down(op.seconds - profile.cached_op_seconds, grain),
                         offloadable=bandwidth is not None
                         and op.smallest_output >= min_offload_bytes,
                     )
@@ -247,11 +284,15 @@ def cost_table(
                 input_unsaved_bytes=block.saved_and_input_bytes - block.saved_bytes,
                 offloadable_input_bytes=offload_in,
                 offloadable_input_unsaved_bytes=offload_in_unsaved,
-                keep_seconds=-(block.recompute_seconds + profile.checkpoint_overhead_seconds),
-                policy_seconds=profile.policy_op_seconds
-                * (block.forward_ops + block.recompute_ops),
+                keep_seconds=-_down(
+                    block.recompute_seconds + profile.checkpoint_overhead_seconds, grain
+                ),
+                policy_seconds=_up(
+                    profile.policy_op_seconds * (block.forward_ops + block.recompute_ops), grain
+                ),
                 forward_window=forward_window,
                 backward_window=backward_window,
+                following_bytes=block.following_bytes,
             )
         )
     table = CostTable(

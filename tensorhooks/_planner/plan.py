@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Callable, Sequence
+from typing import Any
 
+import torch
 from torch import nn
 
 from tensorhooks._core.errors import (
@@ -13,9 +16,10 @@ from tensorhooks._core.errors import (
     PlanBudgetError,
     PlanStateError,
 )
+from tensorhooks._core.torch_compat import current_graph_task_id, fsdp_meshes
 
 from .accounting import DEVICE, HOST, HeldBytes, holding_hooks, module_keys
-from .apply import OFFLOAD, SAVE, Action, Application, OpKey
+from .apply import Application, OpKey, Warned
 from .blocks import repeated_stacks, resolve_blocks
 from .checks import budget_in_bytes, check_model_state, untouched
 from .costs import KEEP, Choice, CostTable, choice_outcome, cost_table, plan_peak
@@ -24,11 +28,32 @@ from .costs import SAVE as SAVED
 from .profiling import StepProfile, check_step, profile_step
 from .recording import StepClock, device_of
 from .report import BlockPlan, PlanReport, mib, plan_table
+from .sizing import Sizing
 from .solver import Solution, block_menu, least_peak, solve
 
 __all__ = ["ActivationPlan", "ActivationPlanHandle", "plan_activations"]
 
 _DEFAULT_MIN_OFFLOAD_BYTES = 1 << 20
+
+# NOTE [The confirming step]
+#
+# The cost model counts bytes as the measurement does, from what the recorded step saved, so a
+# plan's predicted peak is what its step holds. Planning that profiled the step itself checks
+# it once all the same: it runs the step under the plan (the model, its `.grad`, buffers and
+# random states left as they were, as after profiling) and keeps the measured peak on the plan.
+# Should the step hold more than the budget (it saved what the recorded step did not), the
+# excess is added to the profile's fixed bytes and the plan solved again, and measured again;
+# what still exceeds is warned of (`PlanBudgetWarning`) rather than left unsaid. The step's time
+# anchors the predicted times too: the recorded step's is estimated (what recording cost is taken
+# off it), this one is measured, so every predicted time is moved by the difference (the choices
+# only depend on differences between them). It is one run of the step, so planning costs one
+# recorded and one planned step.
+
+_FSDP_SIZES = (
+    "plan_activations: a step is larger than the profiled one; under FSDP2 the plan is not "
+    "solved again for it (the ranks would plan apart), so it may hold more than the budget: "
+    "profile the largest batch"
+)
 
 NO_STACKS = (
     "no repeated blocks found (no ModuleList or Sequential of two or more layers of one class), "
@@ -123,10 +148,15 @@ class ActivationPlan:
         >>> plan.measured_peak_bytes <= plan.budget_bytes
         True
 
-    Nesting and threads: a plan replaces its blocks' ``forward`` for every thread while it is
-    applied, and one plan at a time may be applied to a block. ``with plan:`` also pushes a pair
-    of saved-tensor hooks on the entering thread (to measure), so run the planned step on that
-    thread; plans do not nest.
+    A step called with larger inputs than the profiled one (more rows, longer sequences, in
+    any tensor the model is called with) is planned for again before it runs, from the profile
+    scaled to its sizes (``plan.replans`` counts them); one no plan fits, or one measured above
+    the budget under ``with plan:``, is warned of once (`PlanBudgetWarning`).
+
+    Nesting and threads: a plan replaces its blocks' ``forward`` (and, to see the step's input
+    sizes, its model's) for every thread while it is applied, and one plan at a time may be
+    applied to a block. ``with plan:`` also pushes a pair of saved-tensor hooks on the entering
+    thread (to measure), so run the planned step on that thread; plans do not nest.
     """
 
     def __init__(
@@ -164,6 +194,10 @@ class ActivationPlan:
         """False where a block had more policies than the solver searches one by one."""
         self.note = note
         """What the plan warns of, such as no repeated blocks found, or None."""
+        self._solution = solution
+        self._warned = Warned()
+        self._sized: Sizing | None = None
+        self._quiet = False
         self.choices = solution.choices
         self.predicted_peak_bytes = solution.peak
         """The predicted peak of device bytes held for backward."""
@@ -205,16 +239,27 @@ class ActivationPlan:
             seconds=outcome.seconds,
         )
 
-    def _actions(self) -> list[Action]:
-        actions = []
-        for choice, keys in zip(self.choices, self._keys, strict=True):
-            cached = {
-                keys[index]: SAVE if what == SAVED else OFFLOAD
-                for index, what in enumerate(choice.ops)
-                if what
-            }
-            actions.append(Action(not choice.keep, cached, choice.offload_input))
-        return actions
+    def _sizing(self) -> Sizing:
+        if self._sized is None:
+            self._sized = Sizing(
+                self.profile,
+                self._solution,
+                self._keys,
+                budget=self.budget_bytes,
+                link=self.table.bandwidth,
+                min_offload_bytes=self._min_offload_bytes,
+                warn=self._warned.once,
+            )
+        return self._sized
+
+    @property
+    def replans(self) -> int:
+        """How many input sizes larger than the profiled ones the plan was solved again for.
+
+        See docs/planner.md, "Batches of other sizes": each is solved once, before its first
+        step runs, from the profile scaled to its sizes.
+        """
+        return 0 if self._sized is None else self._sized.replans
 
     def apply(self, *, measure: bool = False) -> ActivationPlanHandle:
         """Apply the plan to its blocks until the returned handle's ``remove()``.
@@ -231,14 +276,44 @@ class ActivationPlan:
             PlanStateError: if a block already runs under a plan (a ``RuntimeError``).
         """
         held = HeldBytes(module_keys(self._model)) if measure else None
+        sizing = self._sizing()
         application = Application(
             self._modules,
-            self._actions(),
+            sizing.base,
             held=held,
             min_offload_bytes=self._min_offload_bytes,
+            warnings=self._warned,
         )
+        self._watch_sizes(application, sizing)
         application.install()
         return ActivationPlanHandle(application, held)
+
+    def _watch_sizes(self, application: Application, sizing: Sizing) -> None:
+        """Solve the plan again for larger steps (see NOTE [A plan per input size])."""
+        sizes = self.profile.sizes
+        if sizes is None:
+            return
+        sharded = bool(fsdp_meshes(self._model))
+
+        def resize(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if not torch.is_grad_enabled() or current_graph_task_id() != -1:
+                return
+            actions = sizing.actions(args, kwargs)
+            if not sharded:
+                application.set_actions(actions)
+            elif actions is not sizing.base:
+                self._warned.once("fsdp", _FSDP_SIZES)
+
+        if sizes.source == "block":
+
+            def first(index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+                if index == 0:
+                    resize(args, kwargs)
+
+            application.on_call = first
+        else:
+            application.root = self._model
+            application.on_root_call = resize
 
     def __enter__(self) -> ActivationPlan:
         if self._entered is not None:
@@ -257,6 +332,46 @@ class ActivationPlan:
         self._entered = (handle, held, hooks)
         return self
 
+    def _confirm(self) -> int:
+        """Run the step once under the plan, the model left as it was; its measured peak.
+
+        See NOTE [The confirming step]. Sets ``measured_peak_bytes``, and the predicted step
+        times to what the step took (every other figure moved by as much); warns of nothing.
+        """
+        clock = StepClock(device_of(self._model, self.profile.device))
+        self._quiet = True
+        try:
+            with untouched(self._model, "plan_activations"), self:
+                seconds = clock.time(self._step)
+        finally:
+            self._quiet = False
+        self._anchor(seconds - self.predicted_step_seconds)
+        assert self.measured_peak_bytes is not None
+        return self.measured_peak_bytes
+
+    def _anchor(self, shift: float) -> None:
+        """Move every predicted step time by ``shift`` seconds (the choices are unchanged)."""
+        profile = self.profile
+        unplanned = profile.unplanned_step_seconds
+        self.profile = dataclasses.replace(
+            profile,
+            checkpointed_step_seconds=max(0.0, profile.checkpointed_step_seconds + shift),
+            unplanned_step_seconds=None if unplanned is None else max(0.0, unplanned + shift),
+        )
+        self.predicted_step_seconds = max(0.0, self.predicted_step_seconds + shift)
+
+    def _warn_if_over(self) -> None:
+        """Warn once if the last measured peak is above the budget."""
+        measured = self.measured_peak_bytes
+        if measured is not None and measured > self.budget_bytes:
+            self._warned.once(
+                "measured",
+                f"plan_activations: the planned step held {measured} bytes ({mib(measured)}) "
+                f"of saved activations, above the budget of {self.budget_bytes} bytes "
+                f"({mib(self.budget_bytes)}); it saved what the profiled step did not (see "
+                "docs/planner.md, 'What the plan does not handle'): profile a step like this one",
+            )
+
     def __exit__(self, *args: object) -> None:
         entered, self._entered = self._entered, None
         if entered is None:
@@ -268,6 +383,8 @@ class ActivationPlan:
             handle.remove()
             self.measured_peak_bytes = held.peak[DEVICE]
             self.measured_host_peak_bytes = held.peak[HOST]
+        if not self._quiet:
+            self._warn_if_over()
 
     def report(self, *, rounds: int = 3) -> PlanReport:
         """Run the step under the plan: the measured peak and step time against the predicted.
@@ -418,16 +535,20 @@ def plan_activations(
     profile: StepProfile | None = None,
     bandwidth: float | None = None,
     min_offload_bytes: int = _DEFAULT_MIN_OFFLOAD_BYTES,
+    confirm: bool = True,
 ) -> ActivationPlan:
     """Choose, per block and per op, what to keep, recompute or offload so that the step fits.
 
-    ``step`` is profiled once (`profile_step`), unless ``profile`` is given. The solver then
+    ``step`` is recorded once (`profile_step`), unless ``profile`` is given, and then run once
+    more under the chosen plan to confirm it (``plan.measured_peak_bytes``). The solver
     picks, for every block, one of: keep what it saves; checkpoint it with a policy that saves,
     recomputes or offloads each op's output; and offload the block's input too. It is exact over
     those choices (a dynamic programme over the blocks) and returns the fastest plan whose
     predicted peak of bytes held for backward is at most ``budget``; a larger budget never
     predicts a slower step. Views and tiny tensors are never offloaded; offloading is only
     chosen where the link's copies hide behind compute (see docs/planner.md for the cost model).
+    Applied, the plan is solved again, before a step runs, for inputs larger than the profiled
+    ones (see docs/planner.md, "Batches of other sizes").
 
     Example:
         >>> import torch, tensorhooks
@@ -459,13 +580,16 @@ def plan_activations(
         bandwidth: host↔device bytes per second to plan offloading for; default: the
             profile's (measured on CUDA; none on a CPU, where nothing is offloaded).
         min_offload_bytes: tensors smaller than this are never offloaded.
+        confirm: when ``step`` is profiled here, run it once under the plan to measure its peak
+            (``plan.measured_peak_bytes``), and solve again with what it measured should it
+            hold more than the budget. No step runs when ``profile`` is given.
 
     Returns:
         The `ActivationPlan`.
 
     Raises:
-        PlanArgumentTypeError: if ``model``, ``step``, ``budget``, ``blocks``, ``profile`` or
-            ``bandwidth`` has the wrong type (a ``TypeError``).
+        PlanArgumentTypeError: if ``model``, ``step``, ``budget``, ``blocks``, ``profile``,
+            ``bandwidth`` or ``confirm`` has the wrong type (a ``TypeError``).
         PlanArgumentValueError: if ``budget`` is not positive, a float budget is above 1, a
             string budget is not a size, ``bandwidth`` is not positive, ``min_offload_bytes``
             is negative, or the blocks are not the profile's (a ``ValueError``).
@@ -478,40 +602,108 @@ def plan_activations(
     """
     check_step(step, "plan_activations")
     _check_options(bandwidth, min_offload_bytes)
+    if not isinstance(confirm, bool):
+        raise PlanArgumentTypeError(
+            f"plan_activations: confirm must be a bool, got {confirm!r} of type "
+            f"{type(confirm).__name__}"
+        )
+    profiled_here = profile is None
     modules, profile = _profile_for(model, step, blocks, profile)
-    no_stacks = blocks is None and not repeated_stacks(model)
-    link = profile.bandwidth if bandwidth is None else float(bandwidth)
-    table, keys = cost_table(profile, link, min_offload_bytes)
-    menus = [block_menu(block, link) for block in table.blocks]
-    unplanned = plan_peak(table, [choice_outcome(block, KEEP, link) for block in table.blocks])
-    least = least_peak(table, menus)
-    budget_bytes = budget_in_bytes(budget, unplanned, "plan_activations")
-    if budget_bytes < least:
-        hint = (
-            "; with a host link (bandwidth=...) offloading could lower it" if link is None else ""
-        )
-        if no_stacks:
-            hint += f"; {NO_STACKS}"
-        raise PlanBudgetError(
-            f"plan_activations: budget={budget!r} ({budget_bytes} bytes, {mib(budget_bytes)}) "
-            f"is below the least peak any plan reaches: {least} bytes ({mib(least)}, "
-            f"{least / max(unplanned, 1):.3f} of the unplanned peak of {unplanned} bytes); "
-            f"pass budget >= {least}{hint}"
-        )
-    solution = solve(table, menus, budget_bytes)
-    assert solution is not None  # the least peak is reached by some plan
-    return ActivationPlan(
-        model=model,
-        step=step,
+    planner = _Planner(
+        model,
+        step,
         modules=modules,
-        profile=profile,
-        table=table,
-        keys=keys,
-        solution=solution,
-        budget_bytes=budget_bytes,
-        least_peak_bytes=least,
-        unplanned_peak_bytes=unplanned,
-        exact=all(menu.exact for menu in menus),
+        bandwidth=bandwidth,
         min_offload_bytes=min_offload_bytes,
-        note=NO_STACKS if no_stacks else None,
+        default_blocks=blocks is None,
     )
+    plan = planner.planned(profile, budget)
+    if profiled_here and confirm:
+        plan = planner.confirmed(plan)
+    return plan
+
+
+class _Planner:
+    """What a plan of ``model`` is made from, besides its profile and budget."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        step: Callable[[], object],
+        *,
+        modules: list[nn.Module],
+        bandwidth: float | None,
+        min_offload_bytes: int,
+        default_blocks: bool,
+    ) -> None:
+        self.model = model
+        self.step = step
+        self.modules = modules
+        self.bandwidth = bandwidth
+        self.min_offload_bytes = min_offload_bytes
+        self.no_stacks = default_blocks and not repeated_stacks(model)
+
+    def planned(self, profile: StepProfile, budget: object) -> ActivationPlan:
+        """The fastest plan of ``profile`` within ``budget``.
+
+        Raises:
+            PlanBudgetError: if ``budget`` is below the least peak any plan reaches.
+        """
+        link = profile.bandwidth if self.bandwidth is None else float(self.bandwidth)
+        table, keys = cost_table(profile, link, self.min_offload_bytes)
+        menus = [block_menu(block, link) for block in table.blocks]
+        unplanned = plan_peak(table, [choice_outcome(block, KEEP, link) for block in table.blocks])
+        least = least_peak(table, menus)
+        budget_bytes = budget_in_bytes(budget, unplanned, "plan_activations")
+        if budget_bytes < least:
+            hint = (
+                "; with a host link (bandwidth=...) offloading could lower it"
+                if link is None
+                else ""
+            )
+            if self.no_stacks:
+                hint += f"; {NO_STACKS}"
+            raise PlanBudgetError(
+                f"plan_activations: budget={budget!r} ({budget_bytes} bytes, "
+                f"{mib(budget_bytes)}) is below the least peak any plan reaches: {least} bytes "
+                f"({mib(least)}, {least / max(unplanned, 1):.3f} of the unplanned peak of "
+                f"{unplanned} bytes); pass budget >= {least}{hint}"
+            )
+        solution = solve(table, menus, budget_bytes)
+        assert solution is not None  # the least peak is reached by some plan
+        return ActivationPlan(
+            model=self.model,
+            step=self.step,
+            modules=self.modules,
+            profile=profile,
+            table=table,
+            keys=keys,
+            solution=solution,
+            budget_bytes=budget_bytes,
+            least_peak_bytes=least,
+            unplanned_peak_bytes=unplanned,
+            exact=all(menu.exact for menu in menus),
+            min_offload_bytes=self.min_offload_bytes,
+            note=NO_STACKS if self.no_stacks else None,
+        )
+
+    def confirmed(self, plan: ActivationPlan) -> ActivationPlan:
+        """``plan`` after one planned step: measured, and solved again if it held too much.
+
+        See NOTE [The confirming step].
+        """
+        measured = plan._confirm()
+        if measured <= plan.budget_bytes:
+            return plan
+        excess = measured - plan.predicted_peak_bytes
+        profile = dataclasses.replace(
+            plan.profile, fixed_bytes=plan.profile.fixed_bytes + max(excess, 0)
+        )
+        try:
+            again = self.planned(profile, plan.budget_bytes)
+        except PlanBudgetError:
+            again = plan
+        if again is not plan:
+            again._confirm()
+        again._warn_if_over()
+        return again

@@ -57,8 +57,10 @@ _Profile = TypeVar("_Profile")
 
 # Figures where less is the worse case: the host link's bandwidth.
 _SLOWEST = frozenset({"bandwidth"})
-# Fields each rank keeps as its own: the device ("cuda:0" on one rank, "cuda:1" on the next).
-_OWN = frozenset({"device"})
+# Fields each rank keeps as its own: the device ("cuda:0" on one rank, "cuda:1" on the next),
+# and how its bytes grow with its inputs' sizes (its own shapes; a plan is not made again per
+# shape under FSDP2, see NOTE [Sizes that vary between steps] in `shapes`).
+_OWN = frozenset({"device", "sizes"})
 
 
 def _walk(value: Any, name: str, numbers: list[float], shape: list[str]) -> None:

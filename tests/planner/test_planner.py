@@ -357,12 +357,15 @@ def test_profile_can_be_changed_to_plan_for_another_machine(
 
 
 def test_profile_without_the_unplanned_step(small: tuple[nn.Module, Callable[[], None]]) -> None:
-    """unplanned=False leaves the unplanned step out; plans are still made and fit."""
+    """unplanned=False records the step checkpointed: the same bytes; plans are made and fit."""
     model, step = small
     profile = th.profile_step(model, step, rounds=1, unplanned=False)
-    assert profile.unplanned_step_seconds is None
     assert profile.unplanned_peak_bytes is None
-    assert profile.cached_op_seconds == 0.0
+    unplanned = th.profile_step(model, step, rounds=1)
+    assert profile.checkpointed_peak_bytes == unplanned.checkpointed_peak_bytes
+    for ours, theirs in zip(profile.blocks, unplanned.blocks, strict=True):
+        assert [op.saved_bytes for op in ours.ops] == [op.saved_bytes for op in theirs.ops]
+        assert (ours.saved_bytes, ours.input_bytes) == (theirs.saved_bytes, theirs.input_bytes)
     plan = th.plan_activations(model, step, 0.5, profile=profile)
     with plan:
         step()

@@ -57,6 +57,10 @@ def qwen2_moe() -> nn.Module:
     return transformers.Qwen2MoeForCausalLM(config)
 
 
+def qwen2() -> nn.Module:
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON))
+
+
 def qwen3() -> nn.Module:
     return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON, head_dim=8))
 
@@ -89,6 +93,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "llama": llama,
     "mistral": mistral,
     "mixtral": mixtral,
+    "qwen2": qwen2,
     "qwen2_moe": qwen2_moe,
     "qwen3": qwen3,
     "gpt2": gpt2,
@@ -206,12 +211,78 @@ def test_a_cache_is_turned_off_even_when_empty(name: str) -> None:
     layer = th._planner.blocks.default_blocks(model)[0]  # type: ignore[attr-defined]
     cache = transformers.DynamicCache()
     assert not cache  # empty: a truth test would keep it
-    positions = th._planner.apply._positional_names(layer.forward)  # type: ignore[attr-defined]
+    positions = th._planner.layers.positional_names(layer.forward)  # type: ignore[attr-defined]
     hidden = torch.zeros(2, 16, 32)
-    without = th._planner.apply.without_cache  # type: ignore[attr-defined]
+    without = th._planner.layers.cache_arguments  # type: ignore[attr-defined]
     args, kwargs = without(layer, positions, (hidden,), {"cache": cache, "use_cache": True})
     assert args == (hidden,)
     assert kwargs == {"cache": None, "use_cache": False}
     args, kwargs = without(layer, positions, (hidden, cache), {"position_ids": None})
     assert args[1:] == ((None,) if name == "gpt2" else (cache,))  # only GPT-2 takes it second
     assert kwargs == {"position_ids": None}
+
+
+def two_chunks(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Forward the first half of ``ids`` filling a cache, the second from it; backward both.
+
+    Returns the second chunk's logits (the gradients are left in the model).
+    """
+    first = model(input_ids=ids[:, :8], use_cache=True)
+    second = model(input_ids=ids[:, 8:], cache=first.cache, use_cache=True)
+    (first.logits.square().mean() + second.logits.square().mean()).backward()
+    return second.logits.detach()
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mixtral", "gpt2"])
+def test_eval_mode_keeps_the_cache(name: str) -> None:
+    """Eval mode keeps the KV cache (as HF): second chunk's logits and grads are unplanned's."""
+    model, step = built(name)
+    plan = th.plan_activations(model, step, 0.6)
+    assert plan.blocks[0].checkpoint
+    ids = torch.randint(3, VOCAB, (2, 16))
+    model.eval()
+    reference = two_chunks(model, ids)
+    expected = grads(model)
+    warned = pytest.warns(th.PlanBudgetWarning, match=r"block 0 .* eval mode with a KV cache")
+    with warned, plan.apply():
+        logits = two_chunks(model, ids)
+    assert torch.equal(logits, reference)
+    for mine, theirs in zip(grads(model), expected, strict=True):
+        assert torch.equal(mine, theirs)
+
+
+def test_train_mode_drops_the_cache_as_hugging_face_checkpointing_does() -> None:
+    """Train mode drops a checkpointed layer's cache: the chunks match HF's own checkpointing."""
+    model, step = built("llama")
+    profile = th.profile_step(model, step, rounds=1)
+    least = th.plan_activations(model, step, 1.0, profile=profile).least_peak_bytes
+    plan = th.plan_activations(model, step, least, profile=profile)
+    assert all(block.checkpoint for block in plan.blocks)
+    ids = torch.randint(3, VOCAB, (2, 16))
+    model.activation_checkpointing_enable()
+    reference = two_chunks(model, ids)
+    expected = grads(model)
+    model.activation_checkpointing_disable()
+    with plan.apply():
+        logits = two_chunks(model, ids)
+    torch.testing.assert_close(logits, reference, rtol=0, atol=0)
+    for mine, theirs in zip(grads(model), expected, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-8)
+
+
+def test_eval_mode_with_a_cache_is_refused_at_profiling() -> None:
+    """Profiling a step in eval mode that fills a cache is refused: no plan could hold there."""
+    model, step = built("qwen3")
+    model.eval()
+    with pytest.raises(th.PlanStateError, match=r"eval mode with a KV cache .* use_cache=False"):
+        th.plan_activations(model, step, 0.6)
+    ids = torch.randint(3, VOCAB, (2, 16))
+
+    def uncached() -> None:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+
+    plan = th.plan_activations(model, uncached, 0.6)  # no cache: planned, and it holds
+    with plan:
+        uncached()
+    assert plan.measured_peak_bytes is not None
+    assert plan.measured_peak_bytes <= plan.budget_bytes

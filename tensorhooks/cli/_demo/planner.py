@@ -67,7 +67,7 @@ def _planned() -> Outcome:
     def step() -> None:
         model(inputs).square().mean().backward()
 
-    profile = tensorhooks.profile_step(model, step, rounds=1)  # one timed round: the demo's cost
+    profile = tensorhooks.profile_step(model, step)  # one recorded step: the demo's cost
     plan = tensorhooks.plan_activations(model, step, BUDGET, profile=profile)
     with plan:
         step()
