@@ -40,12 +40,14 @@ class FirstStepPlan:
     takes it off the blocks and `apply` puts it back (the plan is made once).
     """
 
-    __slots__ = ("_handle", "budget", "plan")
+    __slots__ = ("_handle", "budget", "model", "plan")
 
     def __init__(self, budget: int | float | str, caller: str) -> None:
         check_budget(budget, caller)
         self.budget = budget
         self.plan: ActivationPlan | None = None
+        self.model: nn.Module | None = None
+        """The model the plan was made for."""
         self._handle: ActivationPlanHandle | None = None
 
     @property
@@ -57,6 +59,7 @@ class FirstStepPlan:
         """Plan ``model`` from ``step`` unless planned already, then apply the plan."""
         if self.plan is None:
             self.plan = plan_activations(model, step, self.budget)
+            self.model = model
         self.apply()
 
     def apply(self) -> None:

@@ -235,6 +235,9 @@ class TrainerCheckpointing(TrainerCallback):  # type: ignore[misc]  # transforme
         if self._first is not None:
             if hf_checkpointing_on(model):
                 switch_off(model)
+            if self._first.model not in (None, model):
+                # A new model (the Trainer's model_init): plan it at its own first step.
+                self._first = FirstStepPlan(self._first.budget, "checkpoint_trainer")
             self._first.apply()
             return
         function = layer_checkpoint(options, offload, "checkpoint_trainer")

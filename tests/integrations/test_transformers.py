@@ -194,14 +194,18 @@ class FirstGrads(transformers.TrainerCallback):  # type: ignore[misc]
             self.grads = grads(kwargs["model"])
 
 
-def trainer(model: nn.Module, tmp_path: Path, **arguments: Any) -> Any:
-    """A Trainer on 8 rows, batches of 4, two steps, nothing saved or printed as it goes."""
+def trainer(model: nn.Module | None, tmp_path: Path, **arguments: Any) -> Any:
+    """A Trainer on 8 rows, batches of 4, two steps, nothing saved or printed as it goes.
+
+    Without a model, its ``model_init`` builds a new Llama for each ``train()``.
+    """
     args = transformers.TrainingArguments(
         str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to=[],
         save_strategy="no", logging_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
         **arguments,
     )  # fmt: skip
-    return transformers.Trainer(model=model, args=args, train_dataset=rows())
+    init = None if model is not None else (lambda *args: built("llama"))
+    return transformers.Trainer(model=model, args=args, train_dataset=rows(), model_init=init)
 
 
 def trained(name: str, tmp_path: Path, **arguments: Any) -> list[torch.Tensor]:
@@ -325,6 +329,31 @@ def test_a_second_train_call_reuses_the_plan(tmp_path: Path) -> None:
     assert callback.plan is plan
     assert plan is not None
     assert recomputations.by_tensorhooks() == [block.checkpoint for block in plan.blocks]
+
+
+def test_a_new_model_from_model_init_is_planned_anew(tmp_path: Path) -> None:
+    """model_init gives each train() a new model: each is planned, and trains under its plan."""
+    watched: list[Recomputations] = []
+
+    def model_init(*args: Any) -> nn.Module:
+        model = built("llama")
+        watched.append(Recomputations(model))
+        return model
+
+    run = trainer(None, tmp_path, activation_checkpointing=True)
+    run.model_init = model_init
+    callback = checkpoint_trainer(run, budget=0.6)
+    plans = []
+    for _ in range(2):
+        run.train()
+        plans.append(callback.plan)
+    assert plans[0] is not None
+    assert plans[1] is not None
+    assert plans[0] is not plans[1]
+    checkpointed = [block.checkpoint for block in plans[1].blocks]
+    assert any(checkpointed)
+    ran = watched[-1].by_tensorhooks()  # the model of the second train()
+    assert all(ran[index] for index, chosen in enumerate(checkpointed) if chosen)
 
 
 def test_checkpoint_trainer_refusals(tmp_path: Path) -> None:
