@@ -115,17 +115,22 @@ def checkpoint_model(
             f"checkpoint_model: accelerator must be the accelerate.Accelerator that prepared "
             f"the model, got {accelerator!r} of type {type(accelerator).__name__}"
         )
-    layer_options = {"every_n_layers": every_n_layers, "offload": offload, **checkpoint_kwargs}
-    if budget is not None:
-        given = [name for name, value in checkpoint_kwargs.items() if (name, value) != NO_OP]
-        given += ["every_n_layers"] * (every_n_layers != 1) + ["offload"] * (offload is not False)
-        if given:
-            raise CheckpointArgumentValueError(
-                f"checkpoint_model: {given} are options for checkpointing every layer, but "
-                "with a budget the plan chooses which layers to checkpoint and how; leave them "
-                "out, or pass budget=None"
-            )
-    return ModelCheckpointing(accelerator, model, budget, loss, layer_options)
+    unwrapped: nn.Module = accelerator.unwrap_model(model)
+    refuse_torch_wrappers(unwrapped, "checkpoint_model")
+    if budget is None:
+        function = layer_checkpoint(checkpoint_kwargs, offload, "checkpoint_model")
+        switch_on(unwrapped, every_n_layers, "checkpoint_model")
+        use_function(unwrapped, function, "checkpoint_model")
+        return ModelCheckpointing(accelerator, model, None, None)
+    given = [name for name, value in checkpoint_kwargs.items() if (name, value) != NO_OP]
+    given += ["every_n_layers"] * (every_n_layers != 1) + ["offload"] * (offload is not False)
+    if given:
+        raise CheckpointArgumentValueError(
+            f"checkpoint_model: {given} are options for checkpointing every layer, but with a "
+            "budget the plan chooses which layers to checkpoint and how; leave them out, or "
+            "pass budget=None"
+        )
+    return ModelCheckpointing(accelerator, model, FirstStepPlan(budget, "checkpoint_model"), loss)
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -173,32 +178,19 @@ class ModelCheckpointing:
     """
 
     def __init__(
-        self,
-        accelerator: Any,
-        model: nn.Module,
-        budget: int | float | str | None,
-        loss: LossFn | None,
-        layer_options: dict[str, Any],
+        self, accelerator: Any, model: nn.Module, first: FirstStepPlan | None, loss: LossFn | None
     ) -> None:
         self._accelerator = accelerator
         self._unwrapped: nn.Module = accelerator.unwrap_model(model)
-        refuse_torch_wrappers(self._unwrapped, "checkpoint_model")
+        self._first = first
         self._loss = default_loss if loss is None else loss
         self._planning = False
         self._no_loss: PlanArgumentValueError | None = None
         self._hook: RemovableHandle | None = None
-        self._first: FirstStepPlan | None = None
-        if budget is None:
-            options = dict(layer_options)
-            every_n_layers, offload = options.pop("every_n_layers"), options.pop("offload")
-            function = layer_checkpoint(options, offload, "checkpoint_model")
-            switch_on(self._unwrapped, every_n_layers, "checkpoint_model")
-            use_function(self._unwrapped, function, "checkpoint_model")
-            return
-        self._first = FirstStepPlan(budget, "checkpoint_model")
-        if hf_checkpointing_on(self._unwrapped):
-            switch_off(self._unwrapped)
-        self._hook = model.register_forward_pre_hook(self._first_call, with_kwargs=True)
+        if first is not None:
+            if hf_checkpointing_on(self._unwrapped):
+                switch_off(self._unwrapped)  # the plan checkpoints the layers it chooses
+            self._hook = model.register_forward_pre_hook(self._first_call, with_kwargs=True)
 
     @property
     def plan(self) -> ActivationPlan | None:

@@ -211,7 +211,6 @@ class TrainerCheckpointing(TrainerCallback):  # type: ignore[misc]  # transforme
         _, offload, options = _trainer_options(trainer.args, budget)
         if budget is None:
             layer_checkpoint(options, offload, "checkpoint_trainer")
-        self._budget = budget
         self._trainer = trainer
         self._first = None if budget is None else FirstStepPlan(budget, "checkpoint_trainer")
         self._training_step = trainer.training_step
@@ -231,19 +230,26 @@ class TrainerCheckpointing(TrainerCallback):  # type: ignore[misc]  # transforme
         """After the Trainer's setup: tensorhooks' checkpoint in the layers, or the plan."""
         model = self._model()
         refuse_torch_wrappers(model, "checkpoint_trainer")
-        every_n_layers, offload, options = _trainer_options(args, self._budget)
-        if self._first is not None:
-            if hf_checkpointing_on(model):
-                switch_off(model)
-            if self._first.model not in (None, model):
-                # A new model (the Trainer's model_init): plan it at its own first step.
-                self._first = FirstStepPlan(self._first.budget, "checkpoint_trainer")
-            self._first.apply()
-            return
+        if self._first is None:
+            self._use_checkpoint(model, args)
+        else:
+            self._use_plan(model, args, self._first)
+
+    def _use_checkpoint(self, model: nn.Module, args: Any) -> None:
+        every_n_layers, offload, options = _trainer_options(args, None)
         function = layer_checkpoint(options, offload, "checkpoint_trainer")
         if not hf_checkpointing_on(model):  # else the Trainer switched it on, with its options
             switch_on(model, every_n_layers, "checkpoint_trainer")
         use_function(model, function, "checkpoint_trainer")
+
+    def _use_plan(self, model: nn.Module, args: Any, first: FirstStepPlan) -> None:
+        _trainer_options(args, first.budget)
+        if hf_checkpointing_on(model):
+            switch_off(model)  # the plan checkpoints the layers it chooses
+        if first.model is not None and first.model is not model:
+            # A new model (the Trainer's model_init): planned at its own first step.
+            first = self._first = FirstStepPlan(first.budget, "checkpoint_trainer")
+        first.apply()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Take the plan off the blocks: evaluation and inference after training run plain."""
