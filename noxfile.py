@@ -111,7 +111,8 @@ for _release, _role in zip(RELEASES, ["floor", "pinned", "newest"], strict=True)
 @nox.session(tags=["ci"])
 def examples(session: nox.Session) -> None:
     """Run every script in examples/; each must exit 0."""
-    session.install(*CONSTRAINTS, "-e", ".[testing]")
+    # test: transformers and accelerate, which the integrations' examples train with.
+    session.install(*CONSTRAINTS, "-e", ".[testing,test]")
     for script in sorted(Path("examples").glob("*.py")):
         if "torchrun" in script.name:
             session.run("torchrun", "--standalone", "--nproc_per_node=2", str(script))

@@ -152,7 +152,13 @@ def _readme_commands() -> list[str]:
 
 
 # Third-party modules the examples and docs import, and the distribution that provides each.
-_DISTRIBUTIONS = {"hypothesis": "hypothesis", "pytest": "pytest", "rich": "rich"}
+_DISTRIBUTIONS = {
+    "accelerate": "accelerate",
+    "hypothesis": "hypothesis",
+    "pytest": "pytest",
+    "rich": "rich",
+    "transformers": "transformers",
+}
 
 
 def test_readme_install_brings_what_every_example_imports() -> None:

@@ -15,6 +15,9 @@ FACES = {
     "tensorhooks",
     "tensorhooks.checkpointing",
     "tensorhooks.distributed",
+    "tensorhooks.integrations",
+    "tensorhooks.integrations.accelerate",
+    "tensorhooks.integrations.transformers",
     "tensorhooks.testing",
     "tensorhooks.__main__",
 }

@@ -289,8 +289,14 @@ def ddp_case(case: Case, rank: int, world: int) -> dict[str, Any]:
 
 
 def transformers_case(context: str | None, rank: int, world: int) -> dict[str, Any]:
-    """docs/scaling-out.md's recipe: a small GPT-2 whose blocks are checkpointed and sharded."""
+    """docs/scaling-out.md's recipe: a small GPT-2 whose blocks are checkpointed and sharded.
+
+    Called with a padding mask and ``use_cache=True``, where checkpointing a block's forward by
+    hand writes the KV cache again in recomputation.
+    """
     from transformers import GPT2Config, GPT2LMHeadModel  # a slow import, for these cases only
+
+    from tensorhooks.integrations.transformers import checkpoint_layers
 
     config = GPT2Config(
         n_layer=2, n_embd=16, n_head=2, n_positions=8, vocab_size=40,
@@ -300,21 +306,26 @@ def transformers_case(context: str | None, rank: int, world: int) -> dict[str, A
     reference = GPT2LMHeadModel(config).double()
     model = copy.deepcopy(reference)
     mesh = cpu_mesh()
-    # The recipe: checkpoint each block's body, shard each block, then the root.
+    # The recipe: the layers on tensorhooks' checkpoint, each block sharded, then the root.
+    checkpoint_layers(model)
     for block in model.transformer.h:
-        block.forward = functools.partial(th.checkpoint, block.forward)
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     case = Case(0, 2, 16, 16, "gelu", True, False, "full", False, context, False)
     ids = torch.randint(0, 40, (2 * world, 8), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[:, :2] = 0  # left padding
     got_grads = []
     expected_grads = []
-    for net, batch_ids, grads in (
-        (reference, ids, expected_grads),
-        (model, ids.chunk(world)[rank], got_grads),
+    for net, batch_ids, batch_mask, grads in (
+        (reference, ids, mask, expected_grads),
+        (model, ids.chunk(world)[rank], mask.chunk(world)[rank], got_grads),
     ):
         with feature_context(case):
-            net(input_ids=batch_ids, labels=batch_ids).loss.backward()
+            output = net(
+                input_ids=batch_ids, attention_mask=batch_mask, labels=batch_ids, use_cache=True
+            )
+            output.loss.backward()
         grads.append(full_grads(net))
     return {"context": context, **_compare((got_grads, []), (expected_grads, []), rank, world)}
 
