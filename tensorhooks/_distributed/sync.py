@@ -459,7 +459,7 @@ def _nested_message(task_id: int, outer: int) -> str:
         "torch.utils.checkpoint(..., use_reentrant=True) does this: it runs a nested backward "
         "for each checkpointed block, and gradients split across backward calls cannot be "
         "averaged as one step. Pass use_reentrant=False, which gives the same gradients "
-        "(transformers: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+        "(transformers: model.activation_checkpointing_enable(activation_checkpointing_kwargs="
         "{'use_reentrant': False})); DistributedDataParallel needs static_graph=True for "
         "reentrant checkpointing. Two threads running backward on these parameters at once do "
         "this too: run them one after the other"

@@ -123,9 +123,10 @@ def hf_checkpointing_message(caller: str) -> str:
     """What to say when Hugging Face's gradient checkpointing is on under a plan."""
     return (
         f"{caller}: the model's own gradient checkpointing is on "
-        "(model.gradient_checkpointing_enable() or activation_checkpointing_enable()), so its "
-        "layers would be checkpointed twice and the plan's figures would not hold; call "
-        "model.gradient_checkpointing_disable() (the plan checkpoints the layers itself)"
+        "(model.activation_checkpointing_enable(), or its deprecated alias "
+        "gradient_checkpointing_enable()), so its layers would be checkpointed twice and the "
+        "plan's figures would not hold; call model.activation_checkpointing_disable() (the plan "
+        "checkpoints the layers itself)"
     )
 
 

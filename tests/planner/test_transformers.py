@@ -181,7 +181,7 @@ def test_gradient_checkpointing_enabled_before_planning_is_refused() -> None:
     model, step = built("llama")
     with pytest.warns(FutureWarning, match="gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable()  # deprecated, still what most recipes call
-    with pytest.raises(th.PlanStateError, match=r"gradient_checkpointing_disable\(\)"):
+    with pytest.raises(th.PlanStateError, match=r"activation_checkpointing_disable\(\)"):
         th.plan_activations(model, step, 0.5)
     model.activation_checkpointing_disable()
     th.plan_activations(model, step, 0.6)
