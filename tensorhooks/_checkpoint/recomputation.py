@@ -35,9 +35,10 @@ from tensorhooks._core.torch_compat import (
 )
 
 from .arguments import Arguments
+from .bindings import Rebinding, code_of
 from .reads import GraphReads, RecomputedReads, describe, tensors_in, unpacked
 from .replay import RegionState
-from .state import CallWatch, ReachedState, Rebinding, code_of
+from .state import CallWatch, ReachedState
 from .substitution import Substitution
 
 __all__ = ["DETERMINISM_CHECKS", "Frame", "is_recomputing", "raise_changed_input", "unpack_holder"]

@@ -5,9 +5,7 @@ See NOTE [State a region reaches].
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -21,9 +19,23 @@ from tensorhooks._core.guards import PackHook, UnpackHook, modified_message
 from tensorhooks._core.moves import moves
 from tensorhooks._core.torch_compat import below_python_modes, storage_key
 
+from .bindings import (
+    MAX_ITEMS,
+    RESTORABLE,
+    Called,
+    Mode,
+    Rebinding,
+    Slot,
+    class_slots,
+    function_slots,
+    is_torchs,
+    owning_module,
+    slot_items,
+    submodules,
+)
 from .messages import describe
 
-__all__ = ["CallWatch", "ReachedState", "Rebinding", "code_of", "tracked_form"]
+__all__ = ["CallWatch", "ReachedState", "tracked_form"]
 
 # NOTE [State a region reaches]
 #
@@ -31,28 +43,29 @@ __all__ = ["CallWatch", "ReachedState", "Rebinding", "code_of", "tracked_form"]
 # arguments. It must read what the forward pass read, and leave behind what the forward pass
 # left. The tensors that require grad among those reads are recorded by the graph, the tensors
 # saved from outside by their positions (NOTE [What a region read] in reads.py); what the
-# function reaches by name, and what it writes, is recorded here, by structure:
-#   - the modules the region *calls*: a global module forward pre-hook, registered while the
-#     forward pass runs and answering only on its thread, records each module the first time the
-#     region calls it, before its own pre-hooks run (spectral norm's power iteration, FSDP2's
-#     unshard): the binding of every attribute and buffer (a shallow copy of the module's
-#     ``__dict__`` and ``_buffers``), and the versions of its tensors that require no grad (its
-#     buffers, plain tensor attributes, tensors of its class and of its forward's closure). A
-#     module the function only reaches, and does not call, is not recorded: a closure over the
-#     whole model costs what the block it calls costs, and no other block's state is watched;
-#   - the function's own slots, when the region starts: its closure cells, defaults and the
-#     globals its code names, a ``functools.partial``'s arguments, and the module a bound method
-#     belongs to (recorded as if called);
+# function reaches by name, and what it writes, is recorded here when the region starts, by
+# structure (bindings.py):
+#   - the module the function is, or is a method of (also through ``functools.partial``), and
+#     every module under it;
+#   - the function's own slots: its closure cells, the globals its code names, its defaults and
+#     a partial's arguments, one level into the lists, tuples, dicts and plain objects there;
+#     and the modules there, each with its children (an item of a ModuleDict, the block a
+#     closure over the parent calls), not deeper: a closure over a whole model costs what one
+#     level of it costs. Batch norm running deeper under such a module is found when the
+#     forward pass ends, by its weights among the graph's leaves (`_norms_below`);
+#   - for each module: the binding of every attribute and buffer (a shallow copy of its
+#     ``__dict__`` and ``_buffers``; torch's own modules holding no buffers, only their
+#     ``training`` flag), the versions of its tensors requiring no grad (buffers, plain tensor
+#     attributes), and its class's tensors and its forward's names (`class_slots`).
 # Parameters are not recorded here: the graph does (reads.py).
 #
-# What recomputation sees. It runs with every attribute, buffer, closure cell and global so
-# recorded bound as it was at the call (a tensor, a number, None, a string or a tuple: the
-# values code rebinds as state, ``self.hidden = h.detach()``, ``self.step = self.step + 1``),
-# whoever rebound it since (the region itself, or the program between the forward pass and
-# backward), and gets the present bindings back after: plain autograd's gradient, with the state
-# the forward pass left. Keys the forward pass added (``self.mask = ...`` the first time) are
-# absent while it recomputes. Values are never copied for this: what the call bound is held, as
-# a saved tensor is, until backward.
+# What recomputation sees. It runs with every binding so recorded as it was at the call (a
+# tensor, a number, a string, None or a tuple: the values code rebinds as state,
+# ``self.hidden = h.detach()``, ``self.step += 1``), whoever rebound it since (the region itself,
+# or the program between the forward pass and backward), and gets the present bindings back
+# after: plain autograd's gradient, with the state the forward pass left. Keys the forward pass
+# added (``self.mask = ...`` the first time) are absent while it recomputes. Values are never
+# copied for this: what the call bound is held, as a saved tensor is, until backward.
 #
 # Writes. A tensor recorded here that the forward pass changed in place (a counter, a running
 # mean, spectral norm's ``u``; batch norm's running statistics, which its kernels write without
@@ -68,48 +81,22 @@ __all__ = ["CallWatch", "ReachedState", "Rebinding", "code_of", "tracked_form"]
 # forward pass left: writing it again harms nothing, and recomputation must not read it before
 # its own write, nor after a write that does not give the same value again (a counter, unlike a
 # renormalisation), or backward raises `CheckpointError` naming it; it is copied from then on.
+# Batch norm found after the forward pass gets a stand-in of the statistics it left (its output
+# in training does not read them).
 #
 # Checks. A recorded tensor the forward pass did not write, changed in place (or its data
 # swapped) between the forward pass and backward, raises `SavedTensorModifiedError` naming it
 # before anything recomputed is used (inside ``allow_mutation_on_saved_tensors``, the kept value
 # is read instead).
 #
-# Cost, per region call: a forward pre-hook on each module call inside the region, and for each
-# module called, two shallow dict copies and the versions of its buffers; no tensor copied once
-# the program has run a step, but for state the region writes.
+# Cost, per region call: for each module recorded, two shallow dict copies (one flag for torch's
+# own stateless modules) and the versions of its buffers; in recomputation, one comparison of
+# those dicts with their copies; no tensor copied once each block has run once, but for state
+# the region writes.
 
-# The bindings recomputation restores: tensors and the values state is kept in (numbers, None,
-# strings, tuples). Other objects (lists, dicts, modules, functions) are not rebound: what they
-# hold is reached through them.
-_RESTORABLE = (torch.Tensor, int, float, bool, complex, str, tuple, type(None))
-
-
-def _restorable(key: object, value: object, now: object) -> bool:
-    return isinstance(value, _RESTORABLE) or isinstance(now, torch.Tensor)
-
-
-_MISSING = object()
 # Buffers that batch norm's kernels write without moving their version: in training mode
 # ``native_batch_norm`` updates the running statistics although its schema declares no write.
 _RUNNING_STATS = ("running_mean", "running_var")
-
-
-def code_of(function: Callable[..., Any]) -> object:
-    """What calls of ``function`` share: its code object, or its module's class.
-
-    A ``functools.partial`` counts the classes of the modules it carries too
-    (`checkpoint_module` runs every module through one function).
-    """
-    if isinstance(function, torch.nn.Module):
-        return type(function)  # (asked first: a module's getattr of a missing name is slow)
-    carried: tuple[type, ...] = ()
-    while isinstance(function, functools.partial):
-        carried += tuple(type(a) for a in function.args if isinstance(a, torch.nn.Module))
-        function = function.func
-    code = getattr(function, "__code__", None)
-    if code is None:
-        code = getattr(getattr(function, "__func__", None), "__code__", None) or type(function)
-    return (code, *carried) if carried else code
 
 
 class _Known:
@@ -177,155 +164,6 @@ class _Read:
         self.swaps = 0
 
 
-class _Bindings:
-    """A dict of bindings (a module's ``__dict__`` or ``_buffers``) as it was at the call."""
-
-    __slots__ = ("added", "at_call", "live")
-
-    def __init__(self, live: dict[str, Any]) -> None:
-        self.live = live
-        self.at_call = live.copy()
-        self.added: tuple[str, ...] = ()  # keys the forward pass bound for the first time
-
-    def seal(self) -> None:
-        """Note the keys the forward pass added, which recomputation must not find yet."""
-        if len(self.live) != len(self.at_call):
-            self.added = tuple(self.live.keys() - self.at_call.keys())
-
-    def unchanged(self) -> bool:
-        """Whether every key is bound as at the call (in C: equality tests identity first)."""
-        try:
-            return not self.added and self.live == self.at_call
-        except Exception:  # a value whose == is elementwise, or refuses: look one by one
-            return False
-
-    def changes(self) -> list[Rebinding]:
-        """What to bind in recomputation: keys rebound since the call, and keys added by it."""
-        changes = []
-        live, at_call = self.live, self.at_call
-        for key, value in at_call.items():
-            now = live.get(key, _MISSING)
-            if now is not value and _restorable(key, value, now):
-                changes.append(Rebinding(live, key, value, now))
-        changes.extend(
-            Rebinding(live, key, _MISSING, live[key])
-            for key in self.added
-            if key in live and isinstance(live[key], _RESTORABLE)
-        )
-        return changes
-
-
-class Rebinding:
-    """One binding to set as it was at the call while recomputation runs, then put back."""
-
-    __slots__ = ("at_call", "how", "key", "live", "now")
-
-    def __init__(
-        self, live: Any, key: Any, at_call: object, now: object, *, how: str = "item"
-    ) -> None:
-        self.live = live  # a dict, a list, a closure cell, or a class
-        self.key = key
-        self.at_call = at_call
-        self.now = now
-        self.how = how
-
-    def apply(self) -> None:
-        self._bind(self.at_call)
-
-    def undo(self) -> None:
-        self._bind(self.now)
-
-    def _bind(self, value: object) -> None:
-        live, key = self.live, self.key
-        if self.how == "cell":
-            live.cell_contents = value
-        elif self.how == "attribute":
-            if value is _MISSING:
-                with contextlib.suppress(AttributeError):
-                    delattr(live, key)
-            else:
-                setattr(live, key, value)
-        elif value is _MISSING:
-            if isinstance(live, dict):
-                live.pop(key, None)
-        else:
-            live[key] = value
-
-
-class _Called:
-    """A module the region reaches, as it was when the region started."""
-
-    __slots__ = ("attributes", "buffers", "module")
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
-        self.attributes = _Bindings(module.__dict__)
-        self.buffers = _Bindings(module._buffers) if module._buffers else None
-
-    def seal(self) -> None:
-        self.attributes.seal()
-        if self.buffers is not None:
-            self.buffers.seal()
-
-    def changes(self) -> list[Rebinding]:
-        found = [] if self.attributes.unchanged() else self.attributes.changes()
-        if self.buffers is not None and not self.buffers.unchanged():
-            found.extend(self.buffers.changes())
-        return found
-
-
-class _Mode:
-    """One of torch's own modules holding no state, with its mode (``training``) at the call."""
-
-    __slots__ = ("module", "training")
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
-        self.training = module.training
-
-    def seal(self) -> None:
-        pass
-
-    def changes(self) -> list[Rebinding]:
-        now = self.module.training
-        if now is self.training:
-            return []
-        return [Rebinding(self.module.__dict__, "training", self.training, now)]
-
-
-_TORCHS: dict[type, bool] = {}
-
-
-def _is_torchs(kind: type) -> bool:
-    """Whether ``kind`` is one of torch.nn's own module classes (asked once per class)."""
-    found = _TORCHS.get(kind)
-    if found is None:
-        found = _TORCHS[kind] = kind.__module__.startswith(_TORCH_MODULES)
-    return found
-
-
-def _owning_module(function: Callable[..., Any]) -> torch.nn.Module | None:
-    """The module a function is, or is a method of (also through ``functools.partial``)."""
-    while isinstance(function, functools.partial):
-        function = function.func
-    if isinstance(function, torch.nn.Module):
-        return function
-    owner = getattr(function, "__self__", None)
-    return owner if isinstance(owner, torch.nn.Module) else None
-
-
-def _submodules(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """``module`` and every module under it, each once (their own dicts: this runs per call)."""
-    found = [module]
-    seen = {id(module)}
-    for owner in found:  # grows while it is walked: breadth first
-        for child in owner._modules.values():
-            if child is not None and id(child) not in seen:
-                seen.add(id(child))
-                found.append(child)
-    return found
-
-
 def _tensors_of(module: torch.nn.Module) -> Iterator[tuple[Callable[[], str], torch.Tensor, bool]]:
     """The tensors requiring no grad a module holds: its buffers and tensor attributes."""
     kind = type(module)
@@ -333,57 +171,15 @@ def _tensors_of(module: torch.nn.Module) -> Iterator[tuple[Callable[[], str], to
     for key, buffer in module._buffers.items():
         if buffer is not None and not buffer.requires_grad:
             yield _attribute_name(kind, key), buffer, hidden and key in _RUNNING_STATS
-    if _is_torchs(kind):
+    if is_torchs(kind):
         return  # torch's own modules keep tensors in buffers and parameters only
     for key, value in module.__dict__.items():
         if isinstance(value, torch.Tensor) and not value.requires_grad:
             yield _attribute_name(kind, key), value, False
 
 
-_TORCH_MODULES = "torch.nn.modules."
-
-
 def _attribute_name(kind: type, key: str) -> Callable[[], str]:
     return functools.partial(str.format, "{}.{}", kind.__name__, key)
-
-
-_CLASS_SLOTS: weakref.WeakKeyDictionary[type, list[tuple[str, str, Any, Any]]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _class_slots(kind: type) -> list[_Slot]:
-    """Where a module's class keeps state of its own: class attributes, its forward's names.
-
-    Found once per class (torch's own classes keep none); read at every call.
-    """
-    if _is_torchs(kind):
-        return []
-    places = _CLASS_SLOTS.get(kind)
-    if places is None:
-        places = _CLASS_SLOTS[kind] = _find_class_places(kind)
-    return [_Slot(*place) for place in places]
-
-
-def _find_class_places(kind: type) -> list[tuple[str, str, Any, Any]]:
-    places: list[tuple[str, str, Any, Any]] = []
-    if kind.__module__.startswith("torch."):
-        return places
-    for klass in kind.__mro__:
-        if klass.__module__.startswith("torch."):
-            continue
-        for key, value in vars(klass).items():
-            if isinstance(value, torch.Tensor):
-                places.append((f"{klass.__name__}.{key}", "attribute", klass, key))
-    forward = getattr(kind, "forward", None)
-    if isinstance(forward, types.FunctionType):
-        prefix = f"{kind.__name__}.forward's "
-        places.extend(
-            (prefix + slot.label, slot.kind, slot.holder, slot.key)
-            for slot in _function_slots(forward)
-            if slot.kind != "value"
-        )
-    return places
 
 
 def tracked_form(tensor: torch.Tensor) -> torch.Tensor:
@@ -402,115 +198,6 @@ def tracked_form(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if base.is_leaf and base.requires_grad else tensor.detach()
 
 
-def _cell_value(cell: types.CellType) -> object:
-    try:
-        return cell.cell_contents
-    except ValueError:  # not bound yet
-        return None
-
-
-class _Slot:
-    """A place a function reads by name, or a value it carries.
-
-    A closure cell, a global, an item of a container there or an attribute of an object there;
-    or a default or a partial's argument, which cannot be rebound.
-    """
-
-    __slots__ = ("at_call", "holder", "key", "kind", "label")
-
-    def __init__(self, label: str, kind: str, holder: Any, key: Any = None) -> None:
-        self.label = label
-        # "cell", "item" (of a dict, a list, an object's __dict__), "attribute" (of a class), or
-        # "value" (carried, not rebindable)
-        self.kind = kind
-        self.holder = holder
-        self.key = key
-        self.at_call = self.read()
-
-    def read(self) -> object:
-        kind, holder, key = self.kind, self.holder, self.key
-        if kind == "cell":
-            return _cell_value(holder)
-        if kind == "item":
-            if isinstance(holder, list):
-                return holder[key] if key < len(holder) else _MISSING
-            return holder.get(key, _MISSING)
-        if kind == "attribute":
-            return getattr(holder, key, _MISSING)
-        return holder
-
-    def rebinding(self) -> Rebinding | None:
-        """How to bind the slot as at the call, if it was rebound since."""
-        if self.kind == "value":
-            return None
-        now = self.read()
-        if now is self.at_call or (isinstance(self.holder, list) and now is _MISSING):
-            return None
-        if not _restorable(self.key, self.at_call, now):
-            return None
-        return Rebinding(self.holder, self.key, self.at_call, now, how=self.kind)
-
-
-_MAX_ITEMS = 64  # items of one container the walk looks at: it runs on every call
-
-
-def _function_slots(function: Callable[..., Any]) -> Iterator[_Slot]:
-    """The places a function reads by name, and the values it carries; see NOTE [State...]."""
-    if isinstance(function, functools.partial):
-        for index, item in enumerate(function.args):
-            yield _Slot(f"partial argument {index}", "value", item)
-        for key, item in function.keywords.items():
-            yield _Slot(f"partial argument {key!r}", "value", item)
-        yield from _function_slots(function.func)
-        return
-    if isinstance(function, types.MethodType):
-        yield _Slot("self", "value", function.__self__)
-        function = function.__func__
-    if not isinstance(function, types.FunctionType):
-        return
-    code = function.__code__
-    for name, cell in zip(code.co_freevars, function.__closure__ or (), strict=True):
-        yield _Slot(name, "cell", cell)
-    names = function.__globals__
-    for name in code.co_names:
-        if name in names:
-            yield _Slot(name, "item", names, name)
-    for index, item in enumerate(function.__defaults__ or ()):
-        yield _Slot(f"default {index}", "value", item)
-
-
-def _items(slot: _Slot, value: object) -> Iterator[_Slot]:
-    """The slots one level inside a container or a plain object the function holds."""
-    label = slot.label
-    if isinstance(value, list):
-        for index in range(min(len(value), _MAX_ITEMS)):
-            yield _Slot(f"{label}[{index}]", "item", value, index)
-    elif isinstance(value, tuple):
-        for index, item in enumerate(value[:_MAX_ITEMS]):
-            yield _Slot(f"{label}[{index}]", "value", item)
-    elif isinstance(value, dict):
-        for key in list(value)[:_MAX_ITEMS]:
-            yield _Slot(f"{label}[{key!r}]", "item", value, key)
-    elif _is_plain_object(value):
-        attributes = vars(value)
-        for key in list(attributes)[:_MAX_ITEMS]:
-            yield _Slot(f"{label}.{key}", "item", attributes, key)
-
-
-_NOT_PLAIN = frozenset({"builtins", "typing", "abc", "functools"})
-
-
-def _is_plain_object(value: object) -> bool:
-    """Whether ``value`` is an instance of a user's class, whose attributes a function may read."""
-    kind = type(value)
-    return (
-        hasattr(value, "__dict__")
-        and kind.__module__ not in _NOT_PLAIN
-        and not kind.__module__.startswith("torch")
-        and not isinstance(value, (type, types.ModuleType, types.FunctionType, torch.nn.Module))
-    )
-
-
 class CallWatch:
     """Records, when a region starts, the state it reaches by structure. See NOTE [State...]."""
 
@@ -521,21 +208,21 @@ class CallWatch:
     ) -> None:
         self._pair = pair  # allow_mutation_on_saved_tensors' pack and unpack, inside it
         self._code = code  # what this region's calls share: `code_of`
-        self._called: dict[int, _Called | _Mode] = {}
+        self._called: dict[int, Called | Mode] = {}
         self._reads: list[_Read] = []
         self._read_ids: set[int] = set()  # the reads hold their tensors: ids stay theirs
         self._held: list[torch.nn.Module] = []  # modules the function holds by name
-        self._cells: list[_Slot] = []
-        owner = _owning_module(function)
+        self._cells: list[Slot] = []
+        owner = owning_module(function)
         if owner is not None:  # the function is a module, or a method of one: all it holds
-            for module in _submodules(owner):
+            for module in submodules(owner):
                 self._call(module)
-        for slot in _function_slots(function):
+        for slot in function_slots(function):
             self._slot(slot, depth=0)
 
-    def _slot(self, slot: _Slot, *, depth: int) -> None:
+    def _slot(self, slot: Slot, *, depth: int) -> None:
         value = slot.at_call
-        if slot.kind != "value" and isinstance(value, _RESTORABLE):
+        if slot.kind != "value" and isinstance(value, RESTORABLE):
             self._cells.append(slot)
         if isinstance(value, torch.Tensor):
             # A leaf requiring grad is the graph's to watch (reads.py); an activation read by
@@ -547,22 +234,22 @@ class CallWatch:
             # block it calls), not deeper, so that a closure over a whole model costs what one
             # level of it costs. Batch norm deeper down is found after the forward pass.
             self._held.append(value)
-            for module in (value, *list(value._modules.values())[:_MAX_ITEMS]):
+            for module in (value, *list(value._modules.values())[:MAX_ITEMS]):
                 if module is not None and id(module) not in self._called:
                     self._call(module)
         elif depth == 0:
-            for item in _items(slot, value):
+            for item in slot_items(slot, value):
                 self._slot(item, depth=1)
 
     def _call(self, module: torch.nn.Module) -> None:
-        if self._pair is None and not module._buffers and _is_torchs(type(module)):
+        if self._pair is None and not module._buffers and is_torchs(type(module)):
             # torch's own module, holding no state of its own: only its mode can change.
-            self._called[id(module)] = _Mode(module)
+            self._called[id(module)] = Mode(module)
             return
-        self._called[id(module)] = _Called(module)
+        self._called[id(module)] = Called(module)
         for name, tensor, hidden in _tensors_of(module):
             self._read(name, tensor, hidden=hidden)
-        for slot in _class_slots(type(module)):
+        for slot in class_slots(type(module)):
             self._slot(slot, depth=0)
         if self._pair is not None:  # weights too: the context keeps their value at the call
             for key, parameter in module._parameters.items():
@@ -633,7 +320,7 @@ class CallWatch:
                 owner = _owner_of(held, leaf)
                 if owner is None or id(owner) in self._called:
                     continue
-                self._called[id(owner)] = _Mode(owner)
+                self._called[id(owner)] = Mode(owner)
                 if isinstance(owner, _NormBase) and owner.training and owner.track_running_stats:
                     for key, buffer in owner._buffers.items():
                         if buffer is not None and id(buffer) not in self._read_ids:
@@ -673,9 +360,9 @@ class ReachedState:
 
     def __init__(
         self,
-        called: list[_Called | _Mode],
+        called: list[Called | Mode],
         reads: list[_Read],
-        cells: list[_Slot],
+        cells: list[Slot],
         pair: tuple[PackHook, UnpackHook] | None,
         input_storages: Callable[[], set[int | None]],
     ) -> None:
