@@ -292,10 +292,6 @@ class Frame:
         self.watch = CallWatch(function, self.code, pair)
         self.start = next_sequence_nr()
 
-    def abandon(self) -> None:
-        """The forward pass raised: forget what was watched."""
-        self.watch = None
-
     def seal(self, output: object, tensors: list[torch.Tensor]) -> None:
         """At the end of the forward pass: record what it read (NOTE [What a region read])."""
         self.forward_completed = True
@@ -304,8 +300,7 @@ class Frame:
         assert self.watch is not None
         if not self.holders:  # nothing saved: never recomputed, nothing to hold it to
             self.watch.learn()
-            self.abandon()
-            self.graph = None
+            self.watch = self.graph = None
             return
         outputs = tensors_in(output)
         graph.walk(outputs, self.start, next_sequence_nr())
@@ -340,14 +335,14 @@ class Frame:
             graph.check_saved({storage_key(tensor) for tensor, _ in values}, namer)
         state.substitution = Substitution(values, verify) if values else None
         rebindings = [] if self.reached is None else self.reached.rebindings()
-        self._run_again(state, inputs, rebindings, full=bool(verify))
+        self._run_again(state, inputs, rebindings)
         changed = state.changed_in_place()
         if changed:
             # See NOTE [Checkpointing on saved-tensor hooks], "In-place writes".
             self.clone_saves |= changed
             _WRITTEN_AFTER_SAVE[self.code] = self.clone_saves
             state.reset()
-            self._run_again(state, unpacked(self.inputs()), rebindings, full=bool(verify))
+            self._run_again(state, unpacked(self.inputs()), rebindings)
         state.kept.clear()
         self._verify(state.substitution, verify)
         state.substitution = None
@@ -368,13 +363,11 @@ class Frame:
         state: _Recomputation,
         inputs: list[torch.Tensor],
         rebindings: list[Rebinding],
-        *,
-        full: bool,
     ) -> None:
         tensors, windows = self.arguments.as_called(inputs, writable=self.clone_inputs)
         args, kwargs = self.arguments.rebuild(tensors)
         pack, unpack = current_save_guard().wrap(
-            functools.partial(_keep_recomputed, self, state, not full), _identity
+            functools.partial(_keep_recomputed, self, state), _identity
         )
         register_protected_pack_hook(pack)
         push_saved_tensors_hooks(pack, unpack)
@@ -450,9 +443,7 @@ def _identity(value: Any) -> Any:
     return value
 
 
-def _keep_recomputed(
-    frame: Frame, state: _Recomputation, stop: bool, tensor: torch.Tensor
-) -> torch.Tensor:
+def _keep_recomputed(frame: Frame, state: _Recomputation, tensor: torch.Tensor) -> torch.Tensor:
     """The recomputation's pack hook: keep the tensor saved at this position for backward."""
     index = state.count
     state.count = index + 1
@@ -479,7 +470,7 @@ def _keep_recomputed(
             kept = _clone_below_modes(kept)
         state.tensors[index] = kept
         state.kept.append((index, kept, kept._version))
-    if stop and frame.early_stop and index + 1 == total:
+    if frame.early_stop and index + 1 == total:
         raise _StopRecomputation
     return kept
 

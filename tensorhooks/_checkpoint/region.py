@@ -413,8 +413,6 @@ def _run_region(  # See region_steps
                 output = yield
                 returned = True
         finally:
-            if not returned:
-                frame.abandon()
             pop_saved_tensors_hooks()
     if not returned:  # the forward context swallowed the function's exception
         raise RuntimeError(_SUPPRESSED)
