@@ -11,7 +11,12 @@ import pytest
 import torch
 
 import tensorhooks
-from tensorhooks import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from tensorhooks import (
+    CheckpointError,
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 from tests.checkpoint.common import assert_same, torch_ckpt
 
 Context = Callable[[], contextlib.AbstractContextManager[object]]
@@ -316,3 +321,124 @@ def test_weight_freed_and_refilled_under_allow_mutation(read: str) -> None:
     reference = torch.nn.Parameter(values.view(4, 4))
     expected = torch.autograd.grad(READS[read](reference)(x).pow(2).sum(), [x, reference])
     assert_same(got, expected)
+
+
+class _Averaged(torch.nn.Module):
+    """Keeps a running mean of its input in a buffer; reads it into its output if asked to."""
+
+    def __init__(self, *, reads: bool) -> None:
+        super().__init__()
+        self.reads = reads
+        self.weight = torch.nn.Parameter(_double(0, 4, 4))
+        self.register_buffer("mean", torch.zeros(4, dtype=torch.float64))
+        self.updates = True
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.updates:
+            with torch.no_grad():
+                self.mean.mul_(0.5).add_(h.mean(0))
+        out = h @ self.weight
+        return (out - self.mean).sin() if self.reads else out.sin()
+
+
+def _mean_after(run: Callable[..., torch.Tensor], module: torch.nn.Module) -> list[torch.Tensor]:
+    x = _double(1, 3, 4)
+    grads = torch.autograd.grad(run(module, x).sum(), [x, module.weight])
+    return [*grads, module.mean.clone()]
+
+
+class _Reader(_Averaged):
+    """Another block type (another code): it only reads the buffer."""
+
+    def __init__(self) -> None:
+        super().__init__(reads=True)
+        self.updates = False
+
+
+def test_state_another_block_type_writes_is_copied_for_it() -> None:
+    """A buffer one block type only read, then another writes and reads: plain's results.
+
+    Copies are learned per block type: the writer's first call copies the buffer although the
+    reader reached it before.
+    """
+    reader, writer = _Reader(), _Averaged(reads=True)
+    writer.mean = reader.mean  # one buffer: read by one block type, written by the other
+    plain = copy.deepcopy(writer)
+    x = _double(1, 3, 4)
+    checkpoint(reader, x, use_reentrant=False).sum().backward()  # an earlier step
+    assert_same(
+        _mean_after(lambda m, a: checkpoint(m, a, use_reentrant=False), writer),
+        _mean_after(lambda m, a: m(a), plain),
+    )
+
+
+def test_state_a_later_block_writes_after_an_earlier_read_it() -> None:
+    """A buffer an earlier region read and a later one wrote: the earlier one's backward refuses."""
+    reader, writer = _Reader(), _Averaged(reads=True)
+    writer.mean = reader.mean
+    x = _double(1, 3, 4)
+    out = checkpoint(writer, checkpoint(reader, x, use_reentrant=False), use_reentrant=False)
+    with pytest.raises(tensorhooks.SavedTensorModifiedError, match=r"reads _Reader\.mean"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("reads", [False, True], ids=["written only", "written then read"])
+def test_state_written_for_the_first_time_after_a_first_call(reads: bool) -> None:
+    """A write data-dependent code makes for the first time: harmless unless read, then refused.
+
+    Written only, recomputation writes a stand-in and the state is written once; read after a
+    write that does not give its value again, backward raises CheckpointError naming it. The
+    next call keeps its value first and gives plain autograd's results.
+    """
+    module = _Averaged(reads=reads)
+    module.updates = False
+    plain = copy.deepcopy(module)
+    run_ours = lambda m, a: checkpoint(m, a, use_reentrant=False)  # noqa: E731
+    _mean_after(run_ours, module)  # a first call that does not write the buffer
+    _mean_after(lambda m, a: m(a), plain)
+    module.updates = plain.updates = True
+    if reads:
+        with pytest.raises(CheckpointError, match=r"changed _Averaged\.mean in place"):
+            _mean_after(run_ours, module)
+        module.mean.copy_(plain.mean)  # the refused step's forward pass wrote it: start even
+        _mean_after(lambda m, a: m(a), plain)
+        module.mean.copy_(plain.mean)
+    assert_same(_mean_after(run_ours, module), _mean_after(lambda m, a: m(a), plain))
+
+
+def test_a_block_writing_what_it_saved_recomputes_once_from_its_second_call() -> None:
+    """The positions a block's code changes after saving are learned: one recomputation then."""
+    runs: list[bool] = []
+
+    def block(a: torch.Tensor) -> torch.Tensor:
+        runs.append(tensorhooks.is_recomputing())
+        b = a * 2
+        c = b.sin()  # saves b
+        d = c * 3
+        b.add_(1)  # then changes b
+        return (d * b).tanh()
+
+    x = _double(1, 4)
+    with tensorhooks.allow_mutation_on_saved_tensors():
+        expected = torch.autograd.grad(block(x).sum(), [x])
+    for _ in range(2):
+        runs.clear()
+        with tensorhooks.allow_mutation_on_saved_tensors():
+            got = torch.autograd.grad(checkpoint(block, x, use_reentrant=False).sum(), [x])
+        assert_same(got, expected)
+    assert runs == [False, True]  # the forward pass, and one recomputation
+
+
+def test_a_read_only_buffer_is_copied_at_its_first_call_only() -> None:
+    """No copy of a buffer a block only reads, once the block has run once."""
+    module = _Averaged(reads=True)
+    module.updates = False
+    x = _double(1, 3, 4)
+
+    def clones() -> int:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            checkpoint(module, x, use_reentrant=False).sum().backward()
+        return sum(event.name == "aten::clone" for event in prof.events())
+
+    assert clones() >= 1  # the first call copies it, to learn whether the block writes it
+    assert clones() == 0
