@@ -54,7 +54,7 @@ FORMS = {
         r"cell\d+\.m = 0\.9 \* cell\d+\.m \+ 0\.1 \* .*\.detach\(\)",
         r"cell\d+\.step = cell\d+\.step \+ 1",
         r"cell\d+\.t = cell\d+\.t \+ 1",
-        r"(cell\d+)\.\w+ = (?s:.*)\n        \1\.\w+ = ",  # one cell used by two steps
+        r"\n        (cell\d+)\.(\w+) = (?s:.*)\n        \1\.\2 = ",  # a cell used twice
     ],
     "swapped": [
         r"pair\d+\['a'\], pair\d+\['b'\] = ",
