@@ -7,9 +7,8 @@ NOTE [Rounding, not wrong gradients] for how gradients are compared.
 from __future__ import annotations
 
 import contextlib
-import types
 import warnings
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator
 from contextlib import AbstractContextManager
 from typing import Any, NoReturn
 
@@ -19,10 +18,10 @@ from torch.utils.checkpoint import CheckpointError
 
 from tensorhooks._checkpoint import checkpoint as tensorhooks_checkpoint
 from tensorhooks._checkpoint import checkpoint_module as tensorhooks_checkpoint_module
-from tensorhooks._core.torch_compat import TorchDispatchMode, op_schema
 from tensorhooks._hooks import saved_tensors_hooks
 
 from .errors import GradientMismatchError
+from .explained import Inline, tensors_in
 from .programs import BACKWARDS, Program, programs
 from .rounding import RUNS, Perturbation, differences, tolerances
 
@@ -46,16 +45,6 @@ Results = list[torch.Tensor | None]
 _INPLACE_ERROR = "modified by an inplace operation"
 # tensorhooks.checkpoint's words for a tensor it read that was replaced, or had its data swapped.
 _REPLACED_ERRORS = ("recomputation read a different tensor", "was replaced between the forward")
-# Keywords of torch's checkpoint (and tensorhooks'), which a region's function never sees.
-_CHECKPOINT_KEYWORDS = (
-    "context_fn",
-    "debug",
-    "determinism_check",
-    "early_stop",
-    "preserve_rng_state",
-    "respect_saved_tensors_hooks",
-    "use_reentrant",
-)
 
 
 class Outcome:
@@ -203,156 +192,6 @@ class Verdict:
         ) from got.error
 
 
-class _Inline:
-    """Runs each checkpoint region as plain autograd: its function called on its arguments.
-
-    It also notes what explains autograd's in-place error from a checkpointed run where plain
-    autograd succeeds: a tensor the region read written after the read (its tensor arguments,
-    versions before the call; the tensors in the function's closure, versions after the call,
-    so that state the region writes itself does not count), or a region under a selective
-    policy (``context_fn``) that writes in place (a saved output written later is refused).
-    It notes too what the function reached through its closure and globals (and the lists,
-    tuples, dicts, objects and modules there), to tell one of those replaced, its data
-    swapped or written in place since the call.
-    """
-
-    def __init__(self) -> None:
-        self.read: list[tuple[torch.Tensor, int, int]] = []  # with version, storage
-        self.reached: list[tuple[Callable[..., Any], list[_Held]]] = []
-        self.policy_writes = False
-
-    def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        policy = kwargs.get("context_fn") is not None
-        for keyword in _CHECKPOINT_KEYWORDS:
-            kwargs.pop(keyword, None)
-        self.read.extend(map(_as_read, tensors_in([args, kwargs])))
-        with _Writes() if policy else contextlib.nullcontext() as writes:
-            result = function(*args, **kwargs)
-        self.policy_writes |= writes is not None and writes.seen
-        for cell in getattr(function, "__closure__", None) or ():
-            with contextlib.suppress(ValueError):  # an empty cell
-                self.read.extend(map(_as_read, tensors_in([cell.cell_contents])))
-        self.reached.append((function, _reached(function)))
-        return result
-
-    def module(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Leave ``module`` plain, noting what its forward reads, as for a function's region."""
-        function = type(module).forward
-
-        def before(_: torch.nn.Module, args: Any, kwargs: Any) -> None:
-            self.read.extend(map(_as_read, tensors_in([args, kwargs])))
-
-        def after(_: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            self.read.extend(map(_as_read, tensors_in([args, kwargs])))
-            for cell in getattr(function, "__closure__", None) or ():
-                with contextlib.suppress(ValueError):  # an empty cell
-                    self.read.extend(map(_as_read, tensors_in([cell.cell_contents])))
-            self.reached.append((function, _reached(function)))
-
-        module.register_forward_pre_hook(before, with_kwargs=True, prepend=True)
-        module.register_forward_hook(after, with_kwargs=True, prepend=True)
-        return module
-
-    @property
-    def explains_inplace_error(self) -> bool:
-        """Whether a region read a tensor changed later, or wrote in place under a policy."""
-        return (
-            self.policy_writes
-            or any(
-                t._version != version or _storage_address(t) != storage
-                for t, version, storage in self.read
-            )
-            or any(_changed(before, _reached(function)) for function, before in self.reached)
-        )
-
-
-def _as_read(tensor: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """A tensor read, with its version and storage: a write or a swap of its data since."""
-    return tensor, tensor._version, _storage_address(tensor)
-
-
-def _storage_address(tensor: torch.Tensor) -> int:
-    try:
-        return int(tensor.untyped_storage().data_ptr())
-    except (NotImplementedError, RuntimeError):  # storage-less layouts
-        return 0
-
-
-# A tensor reached, with its storage's address and its version.
-_Held = tuple[torch.Tensor, int, int]
-
-
-def _reached(function: Callable[..., Any]) -> list[_Held]:
-    """The tensors ``function`` reaches by its closure and the globals it names.
-
-    Each with its storage and version: checkpoint holds recomputation to what the forward pass
-    read, so a tensor reached and written since (by an optimizer step, say) explains its
-    in-place error even where plain autograd saved nothing of it.
-    """
-    values: list[Any] = []
-    for cell in getattr(function, "__closure__", None) or ():
-        with contextlib.suppress(ValueError):  # an empty cell
-            values.append(cell.cell_contents)
-    code, names = getattr(function, "__code__", None), getattr(function, "__globals__", {})
-    values.extend(names[name] for name in (code.co_names if code else ()) if name in names)
-    return [(t, _storage_address(t), t._version) for t in _held(values, 0)]
-
-
-def _held(value: Any, depth: int) -> Iterator[torch.Tensor]:
-    """The tensors ``value`` is or holds: containers, modules, plain objects, a few levels."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, torch.nn.Module):
-        yield from value.parameters()
-        yield from value.buffers()
-    elif depth < 3 and isinstance(value, list | tuple):
-        for item in value:
-            yield from _held(item, depth + 1)
-    elif depth < 3 and isinstance(value, dict):
-        for item in value.values():
-            yield from _held(item, depth + 1)
-    elif depth < 3 and isinstance(value, types.SimpleNamespace):
-        yield from _held(vars(value), depth + 1)
-
-
-def _changed(before: list[_Held], now: list[_Held]) -> bool:
-    return len(before) != len(now) or any(
-        a is not b or pointer_a != pointer_b or version_a != version_b
-        for (a, pointer_a, version_a), (b, pointer_b, version_b) in zip(before, now, strict=True)
-    )
-
-
-class _Writes(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
-    """Notes whether an op wrote one of its arguments in place."""
-
-    def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]  # torch's __init__ is untyped
-        self.seen = False
-
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        arguments = op_schema(func).arguments
-        self.seen |= any(a.alias_info is not None and a.alias_info.is_write for a in arguments)
-        return func(*args, **(kwargs or {}))
-
-
-def tensors_in(value: Any) -> Iterator[torch.Tensor]:
-    """The tensors ``value`` is or holds in lists, tuples and dicts, nested."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, list | tuple):
-        for item in value:
-            yield from tensors_in(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from tensors_in(item)
-
-
 def _program_runner(
     program: Program,
     checkpoint: Callable[[], Any] | None,
@@ -396,7 +235,7 @@ def _program_verdict(
     precision: torch.dtype | None,
     subject: str = "the context",
 ) -> Verdict:
-    inline = _program_runner(program, _Inline)
+    inline = _program_runner(program, Inline)
     return Verdict(
         reference,
         lambda context: inline(within(copying_hooks, context)),
@@ -485,11 +324,17 @@ def check_checkpoint(
     The reference runs each region as a plain call of its function. The checkpointed run must
     give plain autograd's gradients (and leave the state the regions write as plain autograd
     does); where plain autograd raises its in-place error, raise it too or give the save-time
-    gradient. Since a region saves its arguments and reads its outside tensors again in
-    recomputation, autograd's in-place error is also accepted where plain autograd succeeds if
-    one of those was written after the region read it (tensorhooks raises then, unless the
-    context keeps the value), or if a region under a selective policy writes in place (a
-    policy refuses a saved output written later). A program's module regions (region kind
+    gradient. Since a region saves its arguments and reads what it reaches again in
+    recomputation, autograd's in-place error (or tensorhooks' error naming a replaced tensor)
+    is also accepted where plain autograd succeeds if the program changed something the region
+    read after the region's call and before backward: an argument or a tensor it read written
+    in place, rebound to a tensor of other values or given other data (a layer swapped, an
+    optimizer step), a counter it read rebound; or if a region under a selective policy writes
+    in place (a policy refuses a saved output written later). State the region writes,
+    rebinds or rebuilds itself (a running statistic, a mask kept on a module, a ``.data`` swap
+    to the same values) and what it reaches but never reads (a later block of its parent
+    module) explain no error: plain autograd's results are required there. A program's module
+    regions (region kind
     "module") are given to ``checkpoint_module`` and compared with the plain module; its
     ``CheckpointError`` refusing a pre-hook that would change the arguments twice in
     recomputation is accepted (an error, not a wrong gradient). Gradients are compared as
@@ -500,7 +345,7 @@ def check_checkpoint(
         >>> from hypothesis import assume, given, settings
         >>> from tensorhooks.testing import check_checkpoint, programs
         >>> @settings(max_examples=5, database=None, deadline=None)
-        ... @given(programs(checkpoint=True))
+        ... @given(programs(checkpoint=["outside", "reached", "state"], backwards=["grad"]))
         ... def test_checkpoint(program):
         ...     assume(check_checkpoint(program))
         >>> test_checkpoint()
@@ -528,7 +373,7 @@ def check_checkpoint(
     """
     regions = checkpoint if checkpoint is not None else tensorhooks_checkpoint
     modules = checkpoint_module or tensorhooks_checkpoint_module
-    inline = _program_runner(program, _Inline)
+    inline = _program_runner(program, Inline)
     runs = "as written, and with each region's function called directly"
     verdict = _program_verdict(
         program,
@@ -539,7 +384,7 @@ def check_checkpoint(
         precision=precision,
         subject="the checkpointed run",
     )
-    read = _Inline()
+    read = Inline()
     plain = outcome(
         lambda: program.run(program.make_leaves(), checkpoint=read, checkpoint_module=read.module),
         None,

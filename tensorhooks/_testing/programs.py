@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import types
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from .drawing import SHAPE, Scope, alias, compute, leaves_source, pick, write
 from .errors import CheckArgumentValueError
 from .reached import change
 from .regions import REGION_KINDS, draw_region, policy_source
+from .rounding import perturbing
+from .stateful import Held, outside_block, swap
 
 _PROGRAM_MODULE = "tensorhooks_testing_program"
 
@@ -39,14 +42,16 @@ __all__ = ["BACKWARDS", "REGION_KINDS", "Program", "SavedOutputExp", "Square", "
 # are in-place ops, ``out=`` into a view, and (on computed values) in-place ops recorded by
 # autograd. The loss sums every computed value, each taken right after it is made. Backward
 # runs one of BACKWARDS (those the caller allows): ``backward()``, ``backward(inputs=...)``,
-# ``autograd.grad``, ``backward(retain_graph=True)`` twice, or a double backward through
-# ``create_graph=True``. With ``checkpoint``, a third of the computing steps are checkpoint
+# ``autograd.grad``, ``backward(retain_graph=True)`` twice, a double backward through
+# ``create_graph=True``, or ``backward()`` or ``autograd.grad`` on a worker thread (a
+# ``threading.Thread`` the program starts and joins; an error it raises there is raised again
+# on the program's thread). With ``checkpoint``, a third of the computing steps are checkpoint
 # regions; see NOTE [Random checkpoint regions].
 #
 # Shapes are tracked while drawing by applying each view and op to an empty tensor of the
 # value's shape, so every line is written with concrete indices.
 
-BACKWARDS = ("backward", "inputs", "grad", "twice", "double")
+BACKWARDS = ("backward", "inputs", "grad", "twice", "double", "thread")
 
 
 class Square(torch.autograd.Function):
@@ -90,7 +95,8 @@ class Program:
 
     ``program(leaves)`` runs the forward pass and one backward variant, and returns the
     gradients that variant produced (a list of tensors or None), followed by the state its
-    checkpoint regions write (``const`` and ``count``) when they write some.
+    checkpoint regions write when they write some (``const`` and ``count``, then the hidden
+    states, counters and running statistics of the objects its regions keep state in).
     """
 
     source: str
@@ -106,6 +112,8 @@ class Program:
         sys.modules.setdefault(_PROGRAM_MODULE, module)
         namespace: dict[str, Any] = {"__name__": _PROGRAM_MODULE}
         exec(compile(self.source, "<random autograd program>", "exec"), namespace)
+        if namespace.get("threading") is threading:
+            namespace["threading"] = _WORKERS
         return namespace
 
     def make_leaves(self) -> list[torch.Tensor]:
@@ -147,6 +155,31 @@ class Program:
         return grads
 
 
+class _Worker(threading.Thread):
+    """A worker thread, run on the calling thread inside a perturbed run.
+
+    The rounding measurement's `Perturbation` is a dispatch mode of the thread that entered it;
+    run there, backward is perturbed as the forward pass is (NOTE [Rounding, not wrong
+    gradients] in rounding.py). Anywhere else it is a thread of its own.
+    """
+
+    inline = False
+
+    def start(self) -> None:
+        if perturbing():
+            self.inline = True
+            self.run()
+        else:
+            super().start()
+
+    def join(self, timeout: float | None = None) -> None:
+        if not self.inline:
+            super().join(timeout)
+
+
+_WORKERS = types.SimpleNamespace(Thread=_Worker)
+
+
 class _Builder:
     """Writes a program's lines, with the values in scope and what its regions did."""
 
@@ -173,6 +206,7 @@ class _Builder:
         self.rebinds: list[tuple[str, int]] = []  # how to bind a new tensor where regions read
         self.modules = 0  # how many regions are modules
         self.global_hooks = False  # whether a module region registered a global hook
+        self.held = Held()  # the Python objects regions keep state in
 
     def add_value(self, expr: str, dummy: torch.Tensor, requires_grad: bool) -> None:
         """Append ``v<n> = expr`` and its term of the loss."""
@@ -230,18 +264,17 @@ def _refill(name: str) -> list[str]:
 
 def _backward(builder: _Builder, n_leaves: int, backwards: tuple[str, ...]) -> list[str]:
     """The lines running backward; they set ``grads``."""
-    draw, scope = builder.draw, builder.scope
+    draw = builder.draw
     kind = draw(st.sampled_from(backwards))
     leaves = ", ".join(f"leaf{i}" for i in range(n_leaves))
+    if kind == "thread":
+        builder.held.thread = True
+        return _on_thread(builder, leaves)
     if kind in ("inputs", "grad"):
-        wanted = [i for i, flag in enumerate(scope.requires_grad) if flag]
-        chosen = sorted(
-            draw(st.lists(st.sampled_from(wanted), min_size=1, max_size=3, unique=True))
-        )
-        inputs = ", ".join(scope.names[i] for i in chosen)
+        inputs = _inputs(builder)
         if kind == "grad":
             return [f"grads = list(torch.autograd.grad(loss, [{inputs}], allow_unused=True))"]
-        retain = [f"{scope.names[i]}.retain_grad()" for i in chosen if i >= n_leaves]
+        retain = [f"{name}.retain_grad()" for name in inputs.split(", ") if name.startswith("v")]
         return [
             *retain,
             f"loss.backward(inputs=[{inputs}])",
@@ -265,6 +298,38 @@ def _backward(builder: _Builder, n_leaves: int, backwards: tuple[str, ...]) -> l
             ),
         ]
     return ["loss.backward()", f"grads = [t.grad for t in [{leaves}]]"]
+
+
+def _inputs(builder: _Builder) -> str:
+    """One to three values requiring grad, for ``backward(inputs=...)`` or ``autograd.grad``."""
+    scope = builder.scope
+    wanted = [i for i, flag in enumerate(scope.requires_grad) if flag]
+    chosen = builder.draw(st.lists(st.sampled_from(wanted), min_size=1, max_size=3, unique=True))
+    return ", ".join(scope.names[i] for i in sorted(chosen))
+
+
+def _on_thread(builder: _Builder, leaves: str) -> list[str]:
+    """``backward()`` or ``autograd.grad`` on a worker thread; its error raised again here."""
+    if builder.draw(st.booleans()):
+        run = f"torch.autograd.grad(loss, [{_inputs(builder)}], allow_unused=True)"
+        result = "grads = list(outcome[0])"
+    else:
+        run = "loss.backward()"
+        result = f"grads = [t.grad for t in [{leaves}]]"
+    return [
+        "outcome = []",
+        "def on_thread():",
+        "    try:",
+        f"        outcome.append({run})",
+        "    except BaseException as error:  # raised again on the program's thread",
+        "        outcome.append(error)",
+        "worker = threading.Thread(target=on_thread)",
+        "worker.start()",
+        "worker.join()",
+        "if isinstance(outcome[0], BaseException):",
+        "    raise outcome[0]",
+        result,
+    ]
 
 
 def programs(
@@ -303,13 +368,26 @@ def programs(
             counter, and reads it back), "module" (half the regions are a module's forward,
             checkpointed by ``tensorhooks.checkpointing.checkpoint_module``, with forward hooks
             and pre-hooks that change its arguments, keyword arguments or output, or not,
-            registered before or after it, with ``prepend=True``, or globally); an empty
-            collection draws regions of plain ops on their arguments only.
+            registered before or after it, with ``prepend=True``, or globally); and what
+            regions keep in Python objects: "kept" (a mask or constant it makes without grad
+            and keeps on a module, in a cache dict or a buffer registered in forward, shared by
+            every region, or returns inside a nested output), "data" (an idempotent ``.data``
+            swap of a leaf before reading it: a gather of the same values, ``torch.renorm``, a
+            view of one flat buffer), "lazy" (the first call of a ``torch.nn.LazyLinear``),
+            "rebound" (a hidden state, running mean or int or tensor counter read from a
+            module's attribute and rebound there, the same cell sometimes used again), "swapped"
+            (a layer of a pair in a dict, ``ModuleList`` or list, swapped, or their weights,
+            before backward), "parent" (blocks, BatchNorm among them, reached through a parent
+            module, some also run outside regions), "norm" (a ``BatchNorm1d`` in training
+            mode, sometimes run twice); an empty collection draws regions of plain ops on their
+            arguments only.
         backwards: which backward variants programs run, among "backward",
             "inputs" (``backward(inputs=...)``), "grad" (``torch.autograd.grad``), "twice"
-            (``backward(retain_graph=True)`` then ``backward()``) and "double" (a double
-            backward). A pack/unpack pair that frees what it stored on unpack can only run
-            one backward over a graph: pass ``["backward", "inputs", "grad"]``.
+            (``backward(retain_graph=True)`` then ``backward()``), "double" (a double
+            backward) and "thread" (``backward()`` or ``torch.autograd.grad`` on a worker
+            ``threading.Thread``, its error raised again on the program's thread). A
+            pack/unpack pair that frees what it stored on unpack can only run one backward over
+            a graph: pass ``["backward", "inputs", "grad", "thread"]``.
         compile: draw compiled programs instead: their steps run inside a function compiled
             with ``torch.compile(backend="aot_eager")``, with a tensorhooks context entered
             inside it (identity or copying hooks, ``save_on_cpu``,
@@ -372,7 +450,11 @@ def _programs(
     seed = draw(st.integers(0, 2**16))
     builder = _Builder(draw, n_leaves, writes=writes, kinds=kinds)
     for _ in range(draw(st.integers(1, max_steps))):
-        if writes and "reached" in builder.kinds and draw(st.integers(0, 3)) == 0:
+        if "swapped" in builder.kinds and builder.held.pairs and draw(st.integers(0, 2)) == 0:
+            swap(builder)
+        elif "parent" in builder.kinds and builder.held.parent and draw(st.integers(0, 2)) == 0:
+            builder.add_value(*outside_block(builder), requires_grad=True)
+        elif writes and "reached" in builder.kinds and draw(st.integers(0, 3)) == 0:
             change(builder)
         elif writes and draw(st.integers(0, 2)) == 0:
             _write(builder)
@@ -382,8 +464,13 @@ def _programs(
             _compute(builder)
     if not any(builder.scope.computed):
         _compute(builder)
-    returned = "[*grads, const, count]" if builder.writes_state else "grads"
+    if len(builder.held.pairs) > 0 and draw(st.booleans()):
+        swap(builder)  # a layer swapped after the last region that used it, too
+    state = [*(("const", "count") if builder.writes_state else ()), *builder.held.state]
+    returned = f"[*grads, {', '.join(state)}]" if state else "grads"
+    seed_modules = [f"torch.manual_seed({seed})  # modules start alike in every run"]
     body = [
+        *(seed_modules if builder.held.seeded else ()),
         "terms = []",
         *builder.lines,
         "loss = torch.stack(terms).sum() if terms else leaf0.sum()",
@@ -404,6 +491,8 @@ def _programs(
 
 def _source(builder: _Builder, n_leaves: int, seed: int, body: list[str], draw: st.DrawFn) -> str:
     imports = ["import torch"]
+    if builder.held.thread:
+        imports.insert(0, "import threading")
     if "reached" in builder.kinds:
         imports.append("import types")
     if builder.regions > builder.modules:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from .drawing import Scope, alias, binary, compute, pick, write
 from .hooked import module_region
 from .reached import reach
+from .stateful import STATEFUL_KINDS, Held, stateful_step
 
 __all__ = ["POLICY_CHOICES", "REGION_KINDS", "Region", "draw_region", "policy_source"]
 
@@ -45,10 +46,18 @@ __all__ = ["POLICY_CHOICES", "REGION_KINDS", "Region", "draw_region", "policy_so
 #     replaced, stepped] in reached.py;
 #   - "module": the region is a module's forward, checkpointed by ``checkpoint_module`` with
 #     forward hooks and pre-hooks registered around it. See NOTE [Checkpointed modules and their
-#     hooks] in hooked.py.
-# Writes inside a region ("inplace", "state") are drawn only for programs drawn with writes.
+#     hooks] in hooked.py;
+#   - the kinds of STATEFUL_KINDS ("data", "kept", "lazy", "norm", "parent", "rebound",
+#     "swapped"): the region keeps or reaches state in Python objects (a mask on a module, a
+#     swapped ``.data``, a lazy module, a rebound attribute, a layer of a pair swapped before
+#     backward, a block reached through its parent, BatchNorm). See NOTE [State a region keeps
+#     in Python objects] in stateful.py. With "kept", a function region may return its mask
+#     inside a nested output (``return h, (mask,)``, ``return {'out': h, 'masks': [mask]}``).
+# Writes inside a region ("inplace", "state", "norm") are drawn only for programs drawn with
+# writes.
 
-REGION_KINDS = ("aliasing", "inplace", "module", "outside", "policy", "reached", "state")
+_FIRST_KINDS = ("aliasing", "inplace", "module", "outside", "policy", "reached", "state")
+REGION_KINDS = tuple(sorted((*_FIRST_KINDS, *STATEFUL_KINDS)))
 POLICY_CHOICES = (
     "MUST_SAVE",
     "PREFER_SAVE",
@@ -76,6 +85,7 @@ class Region(Protocol):
     rebinds: list[tuple[str, int]]
     modules: int
     global_hooks: bool
+    held: Held
 
     def add_value(self, expr: str, dummy: torch.Tensor, requires_grad: bool) -> None:
         """Append ``v<n> = expr`` and its term of the loss."""
@@ -94,6 +104,7 @@ def draw_region(program: Region) -> None:
         parameter = _ARGUMENTS[len(local.names)]
         local.add(parameter, dummy, outer.requires_grad[index], outer.computed[index])
     body = _Body(program, local)
+    masks = len(program.held.masks)
     for _ in range(draw(st.integers(1, 4))):
         body.step()
     if body.result is None:
@@ -112,10 +123,21 @@ def draw_region(program: Region) -> None:
     if "policy" in program.kinds and draw(st.booleans()):
         program.uses_policy = True
         policy = ", context_fn=contexts"
+    call = f"checkpoint({name}, {', '.join(arguments)}, use_reentrant=False{policy})"
+    kept = program.held.masks[masks:]
+    if len(kept) > 0 and draw(st.booleans()):  # the mask also returned, inside a nested output
+        body_lines[-1], taken = _nested_return(draw, local.names[body.result], kept[-1])
+        call += taken
     program.lines.append(f"def {name}({', '.join(parameters)}):")
     program.lines.extend(f"    {line}" for line in body_lines)
-    call = f"checkpoint({name}, {', '.join(arguments)}, use_reentrant=False{policy})"
     program.add_value(call, local.dummies[body.result], local.requires_grad[body.result])
+
+
+def _nested_return(draw: st.DrawFn, result: str, mask: str) -> tuple[str, str]:
+    """A return of ``result`` and ``mask`` in a nested output; how the call takes ``result``."""
+    if draw(st.booleans()):
+        return f"return {result}, ({mask},)", "[0]"
+    return f"return {{'out': {result}, 'masks': [{mask}]}}", "['out']"
 
 
 def _argument_values(draw: st.DrawFn, outer: Scope, aliasing: bool) -> list[int]:
@@ -148,7 +170,24 @@ class _Body:
             kinds.append("outside")
         if self.program.writes:
             kinds.extend(kind for kind in ("inplace", "state") if kind in self.program.kinds)
-        getattr(self, self.draw(st.sampled_from(kinds)))()
+        stateful = [k for k in STATEFUL_KINDS if k in self.program.kinds]
+        if not self.program.writes and "norm" in stateful:
+            stateful.remove("norm")  # BatchNorm writes its running statistics in place
+        kind = self.draw(st.sampled_from([*kinds, *stateful]))
+        if kind in STATEFUL_KINDS:
+            self.stateful(kind)
+        else:
+            getattr(self, kind)()
+
+    def stateful(self, kind: str) -> None:
+        """A step over state kept in Python objects.
+
+        See NOTE [State a region keeps in Python objects] in stateful.py.
+        """
+        name = f"h{len(self.local.names) - self.n_arguments}"
+        lines, dummy, requires_grad = stateful_step(self.program, kind, self.local, name)
+        self.lines.extend(lines)
+        self.result = self.local.add(name, dummy, requires_grad, computed=True)
 
     def compute(self) -> None:
         """An op of the region's own values."""

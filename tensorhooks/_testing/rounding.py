@@ -5,6 +5,7 @@ See NOTE [Rounding, not wrong gradients].
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -12,7 +13,7 @@ import torch
 
 from tensorhooks._core.torch_compat import TorchDispatchMode, op_schema
 
-__all__ = ["RUNS", "SAFETY", "ULPS", "Perturbation", "differences", "tolerances"]
+__all__ = ["RUNS", "SAFETY", "ULPS", "Perturbation", "differences", "perturbing", "tolerances"]
 
 # NOTE [Rounding, not wrong gradients]
 #
@@ -38,12 +39,20 @@ __all__ = ["RUNS", "SAFETY", "ULPS", "Perturbation", "differences", "tolerances"
 # rounding the runs show no change, and the comparison stays bitwise; the runs happen only when
 # the first, bitwise comparison fails. A ``precision`` of bfloat16 accepts what computing every
 # op with bfloat16's rounding could change, which covers a pair that keeps saved tensors in
-# bfloat16 and scales with the values.
+# bfloat16 and scales with the values. A dispatch mode acts on the thread that entered it, so a
+# program that runs backward on a worker thread runs it on the calling thread in a perturbed run
+# (`perturbing` tells it): the same ops, perturbed alike.
 
 ULPS = 64
 SAFETY = 4.0
 RUNS = 2
 _MAX_AMPLITUDE = 2.0**-6
+_perturbed_threads = threading.local()
+
+
+def perturbing() -> bool:
+    """Whether a `Perturbation` is active on this thread."""
+    return bool(getattr(_perturbed_threads, "depth", 0))
 
 
 class Perturbation(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
@@ -53,6 +62,15 @@ class Perturbation(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyp
         super().__init__()  # type: ignore[no-untyped-call]  # torch's __init__ is untyped
         self.generator = torch.Generator().manual_seed(seed)
         self.floor = torch.finfo(precision).eps if precision is not None else 0.0
+
+    def __enter__(self) -> Perturbation:
+        _perturbed_threads.depth = getattr(_perturbed_threads, "depth", 0) + 1
+        super().__enter__()  # type: ignore[no-untyped-call]  # torch's __enter__ is untyped
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _perturbed_threads.depth -= 1
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]  # torch's __exit__ is untyped
 
     def __torch_dispatch__(
         self,

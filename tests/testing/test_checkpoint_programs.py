@@ -31,6 +31,7 @@ from tensorhooks.testing import (
     programs,
 )
 
+from .kinds import FIRST_KINDS, ONE_THREAD, STATEFUL_SIGNS
 from .program_source import regions, root
 
 CONTEXTS: dict[str, Callable[[], contextlib.AbstractContextManager[Any]] | None] = {
@@ -44,7 +45,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     "state": ("state",),
     "policy_inplace": ("inplace", "policy"),
     "reached": ("reached", "outside"),
-    "all": REGION_KINDS,
+    "all": FIRST_KINDS,  # the others: test_stateful_programs.py
 }
 
 
@@ -61,7 +62,7 @@ def test_tensorhooks_checkpoint_matches_plain_autograd(
     kinds: str, context: str, data: st.DataObject
 ) -> None:
     """Every kind of region gives plain autograd's results, its in-place error, or save-time's."""
-    program = data.draw(programs(checkpoint=KINDS[kinds]), label="program")
+    program = data.draw(programs(checkpoint=KINDS[kinds], backwards=ONE_THREAD), label="program")
     assume(check_checkpoint(program, context_factory=CONTEXTS[context]))
 
 
@@ -88,7 +89,7 @@ def _check_torch(kinds: tuple[str, ...], max_examples: int) -> None:
     """Check torch's checkpoint on programs whose regions are of ``kinds`` (no policies)."""
 
     @settings(_SEARCH, max_examples=max_examples)
-    @given(programs(checkpoint=kinds))
+    @given(programs(checkpoint=kinds, backwards=ONE_THREAD))
     def check(program: Program) -> None:
         assume(check_checkpoint(program, _torch_checkpoint))
 
@@ -163,6 +164,10 @@ def _reads_outside(program: Program) -> bool:
     return False
 
 
+def _sign(pattern: str) -> Callable[[Program], bool]:
+    return lambda program: re.search(pattern, program.source) is not None
+
+
 SIGNS: dict[str, Callable[[Program], bool]] = {
     "aliasing": _aliasing,
     "inplace": lambda program: _writes_in(program, _parameters_and_locals),
@@ -173,6 +178,7 @@ SIGNS: dict[str, Callable[[Program], bool]] = {
     "policy": lambda program: "context_fn=contexts" in program.source,
     "reached": lambda program: re.search(r"def region(?s:.)*box\d", program.source) is not None,
     "state": lambda program: _writes_in(program, lambda function: {"const", "count"}),
+    **{kind: _sign(pattern) for kind, pattern in STATEFUL_SIGNS.items()},
 }
 
 

@@ -20,6 +20,8 @@ from tensorhooks.testing import (
     programs,
 )
 
+from .kinds import FIRST_KINDS, ONE_THREAD
+
 Factory = Any
 
 
@@ -120,7 +122,7 @@ def test_a_wrong_gradient_of_the_same_program_fails() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(CORRECT))
-@given(program=programs(checkpoint=True))
+@given(program=programs(checkpoint=FIRST_KINDS, backwards=ONE_THREAD))
 def test_correct_contexts_pass_on_checkpointed_programs(name: str, program: Program) -> None:
     """The cloning pairs (torch's, the docs') and allow_mutation pass on every kind of region."""
     assume(check_program(program, CORRECT[name]))

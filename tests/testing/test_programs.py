@@ -31,6 +31,7 @@ VARIANTS = {
     "grad": "grads = list(torch.autograd.grad(loss",
     "twice": "loss.backward(retain_graph=True)",
     "double": "create_graph=True",
+    "thread": "worker = threading.Thread(target=on_thread)",
 }
 
 
@@ -95,7 +96,7 @@ def _runs(program: Program) -> bool:
     """Whether plain autograd runs the program (it may refuse it: a random in-place write)."""
     try:
         program.run(program.make_leaves())
-    except RuntimeError:
+    except (RuntimeError, ValueError):  # ValueError: a lazy module's parameter
         return False
     return True
 
