@@ -184,10 +184,18 @@ _TORCHS: dict[type, bool] = {}
 
 
 def is_torchs(kind: type) -> bool:
-    """Whether ``kind`` is one of torch.nn's own module classes (asked once per class)."""
+    """Whether ``kind`` is one of torch.nn's own layers (asked once per class).
+
+    A layer defines its forward and keeps its state in parameters and buffers only. A bare
+    ``torch.nn.Module``, a ``ModuleList`` or a ``ModuleDict`` is not one: code uses them as
+    holders, setting attributes of its own on them.
+    """
     found = _TORCHS.get(kind)
     if found is None:
-        found = _TORCHS[kind] = kind.__module__.startswith(_TORCH_MODULES)
+        found = _TORCHS[kind] = (
+            kind.__module__.startswith(_TORCH_MODULES)
+            and getattr(kind, "forward", None) is not torch.nn.Module.forward
+        )
     return found
 
 
@@ -298,8 +306,6 @@ class Slot:
             return None
         now = self.read()
         if now is self.at_call or (isinstance(self.holder, list) and now is _MISSING):
-            return None
-        if not _restorable(self.key, self.at_call, now):
             return None
         return Rebinding(self.holder, self.key, self.at_call, now, how=self.kind)
 

@@ -250,6 +250,18 @@ class GraphReads:
                 else:
                     outer[key] = following
 
+    def swapped_by_the_region(self, at_call: dict[int, int | None]) -> None:
+        """Leaves whose data the forward pass swapped are not held to their storage.
+
+        ``at_call``: the storage of each leaf found by name when the call started. Recomputation
+        swaps it again (a gather, a renormalisation), so what it reads does not depend on the
+        storage the leaf has before backward.
+        """
+        for key, leaf in self.leaves.items():
+            storage = at_call.get(key, leaf.storage)
+            if storage != leaf.storage:
+                leaf.storage = None
+
     def note_saved(self, index: int, base: torch.Tensor, version: int, outputs: set[int]) -> None:
         """The forward pass saved ``base`` (at ``version``) at ``index``: note it if from outside.
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import threading
 import weakref
 from collections.abc import Callable
@@ -305,15 +306,23 @@ class Frame:
         outputs = tensors_in(output)
         graph.walk(outputs, self.start, next_sequence_nr())
         inputs = [weakref.ref(tensor) for tensor in tensors]
-        leaves = (leaf.tensor for leaf in graph.leaves.values())  # read only if needed
+        if self.watch.leaf_storages:
+            graph.swapped_by_the_region(self.watch.leaf_storages)
+        saved = [(index, ref, version) for index, (ref, version) in enumerate(self.saved)]
+        self.saved = []
+        # The leaves the region read (read only if needed): its graph's, and those a branch
+        # its outputs do not depend on saved (batch norm's weight there).
+        leaves = itertools.chain(
+            (leaf.tensor for leaf in graph.leaves.values()),
+            (base for _, ref, _ in saved if (base := ref()) is not None and base.is_leaf),
+        )
         self.reached = self.watch.seal(functools.partial(_storages, inputs), leaves)
         self.watch = None
         returned = {id(tensor) for tensor in outputs}
-        for index, (ref, version) in enumerate(self.saved):
+        for index, ref, version in saved:
             base = ref()
             if base is not None:
                 graph.note_saved(index, base, version, returned)
-        self.saved = []
         graph.watch(self.pair)
 
     def recompute(self, state: _Recomputation) -> None:

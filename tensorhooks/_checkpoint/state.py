@@ -201,7 +201,16 @@ def tracked_form(tensor: torch.Tensor) -> torch.Tensor:
 class CallWatch:
     """Records, when a region starts, the state it reaches by structure. See NOTE [State...]."""
 
-    __slots__ = ("_called", "_cells", "_code", "_held", "_pair", "_read_ids", "_reads")
+    __slots__ = (
+        "_called",
+        "_cells",
+        "_code",
+        "_held",
+        "_pair",
+        "_read_ids",
+        "_reads",
+        "leaf_storages",
+    )
 
     def __init__(
         self, function: Callable[..., Any], code: object, pair: tuple[PackHook, UnpackHook] | None
@@ -212,6 +221,9 @@ class CallWatch:
         self._reads: list[_Read] = []
         self._read_ids: set[int] = set()  # the reads hold their tensors: ids stay theirs
         self._held: list[torch.nn.Module] = []  # modules the function holds by name
+        # The storage of each leaf found by name when the call started: one the forward pass
+        # swapped (``p.data = ...``, a gather) is swapped again by recomputation.
+        self.leaf_storages: dict[int, int | None] = {}
         self._cells: list[Slot] = []
         owner = owning_module(function)
         if owner is not None:  # the function is a module, or a method of one: all it holds
@@ -222,13 +234,22 @@ class CallWatch:
 
     def _slot(self, slot: Slot, *, depth: int) -> None:
         value = slot.at_call
-        if slot.kind != "value" and isinstance(value, RESTORABLE):
+        # A closure cell, or an item of a container it holds, is set back whatever it held (a
+        # closure variable rebound is state changed); a global or a class attribute only where
+        # it held a value code keeps state in (the others are functions, classes, modules).
+        if (
+            slot.kind == "cell"
+            or (slot.kind == "item" and depth)
+            or (slot.kind != "value" and isinstance(value, RESTORABLE))
+        ):
             self._cells.append(slot)
         if isinstance(value, torch.Tensor):
             # A leaf requiring grad is the graph's to watch (reads.py); an activation read by
             # name is watched here, never copied (it is new at every step).
             if not value.requires_grad or value.grad_fn is not None:
                 self._read(functools.partial(str, slot.label), value, hidden=False)
+            else:
+                self.leaf_storages[id(value)] = storage_key(value)
         elif isinstance(value, torch.nn.Module):
             # A module the function holds: it and its children (an item of a ModuleDict, the
             # block it calls), not deeper, so that a closure over a whole model costs what one
@@ -249,6 +270,9 @@ class CallWatch:
         self._called[id(module)] = Called(module)
         for name, tensor, hidden in _tensors_of(module):
             self._read(name, tensor, hidden=hidden)
+        for parameter in module._parameters.values():
+            if parameter is not None and parameter.numel():
+                self.leaf_storages[id(parameter)] = storage_key(parameter)
         for slot in class_slots(type(module)):
             self._slot(slot, depth=0)
         if self._pair is not None:  # weights too: the context keeps their value at the call

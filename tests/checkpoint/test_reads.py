@@ -284,7 +284,13 @@ def _gradient(run: Callable[..., torch.Tensor] | None, case: Case) -> torch.Tens
 # Rebindings of what the region found bound by name (a buffer, a closure variable): recomputation
 # runs with the binding the call saw, so the gradient is plain autograd's.
 RESTORED = frozenset(
-    {"buffer reassigned", "closure rebound", "constant rebound", "ParameterDict, item rebound"}
+    {
+        "buffer reassigned",
+        "closure rebound",
+        "constant rebound",
+        "module swapped in a dict",
+        "ParameterDict, item rebound",
+    }
 )
 
 

@@ -159,24 +159,9 @@ def test_torch_checkpoint_passes_where_it_is_right(kind: str) -> None:
 
 # --- tensorhooks.checkpoint on each kind --------------------------------------------------------
 
-_XFAIL = {
-    "data": "an idempotent .data swap in the region raises SavedTensorModifiedError",
-    "kept": "a mask kept on a holder or returned nested is taken for a replaced tensor",
-    "lazy": "the walk reads an UninitializedParameter's storage: ValueError",
-    "parent": "a later block's num_batches_tracked, reached through the parent, raises",
-    "rebound": "state rebound on an attribute is recomputed from its new value",
-    "swapped": "recomputation runs the layer swapped in: a wrong gradient",
-    "thread": "recomputation on a worker thread takes a leaf for a replaced tensor",
-}
-
 
 def _tensorhooks_params() -> list[Any]:
-    params = []
-    for kind in (*sorted(STATEFUL_KINDS), "thread"):
-        reason = _XFAIL.get(kind)
-        marks = [] if reason is None else [pytest.mark.xfail(strict=True, reason=reason)]
-        params.append(pytest.param(kind, marks=marks))
-    return params
+    return [pytest.param(kind) for kind in (*sorted(STATEFUL_KINDS), "thread")]
 
 
 # Where a kind's class needs a program of some shape, the draws that give it more often: two
