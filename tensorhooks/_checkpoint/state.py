@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.parameter import is_lazy
 from torch.utils.checkpoint import CheckpointError
 
 from tensorhooks._core.errors import SavedTensorModifiedError
@@ -271,7 +272,8 @@ class CallWatch:
         for name, tensor, hidden in _tensors_of(module):
             self._read(name, tensor, hidden=hidden)
         for parameter in module._parameters.values():
-            if parameter is not None and parameter.numel():
+            # A lazy module's parameter has no data until its first call: none to hold.
+            if parameter is not None and not is_lazy(parameter) and parameter.numel():
                 self.leaf_storages[id(parameter)] = storage_key(parameter)
         for slot in class_slots(type(module)):
             self._slot(slot, depth=0)
@@ -282,6 +284,8 @@ class CallWatch:
 
     def _read(self, name: Callable[[], str], tensor: torch.Tensor, *, hidden: bool) -> None:
         if id(tensor) in self._read_ids:  # reached by two names: one record
+            return
+        if is_lazy(tensor):  # a lazy module's, with no value until the region gives it one
             return
         self._read_ids.add(id(tensor))
         read = _Read(name, tensor, hidden)

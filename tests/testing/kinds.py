@@ -1,18 +1,14 @@
-"""Which region kinds and backward variants each property test of a checkpoint draws.
+"""Which backward variants the property tests of torch's checkpoint draw, and how kinds show.
 
-tensorhooks.checkpoint gives plain autograd's results on the first kinds of REGION_KINDS with
-backward on the program's thread; the property tests over the kinds of STATEFUL_KINDS and over
-backward on a worker thread are in test_stateful_programs.py, as strict xfails where it does not.
-Tests that run programs as written (with their regions through tensorhooks.checkpoint) to check
-something else, a context around them, draw FIRST_KINDS and ONE_THREAD.
+torch's checkpoint is judged on backward on the program's thread (ONE_THREAD): on a worker
+thread it recomputes outside the graph task's state, which test_stateful_programs.py shows.
+tensorhooks' checkpoint is drawn on every kind of region and every backward variant.
 """
 
 from __future__ import annotations
 
-from tensorhooks._testing.programs import BACKWARDS, REGION_KINDS
-from tensorhooks._testing.stateful import STATEFUL_KINDS
+from tensorhooks._testing.programs import BACKWARDS
 
-FIRST_KINDS = tuple(kind for kind in REGION_KINDS if kind not in STATEFUL_KINDS)
 ONE_THREAD = tuple(variant for variant in BACKWARDS if variant != "thread")
 # How each kind of STATEFUL_KINDS shows in a program's source.
 STATEFUL_SIGNS = {

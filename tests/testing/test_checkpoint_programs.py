@@ -31,7 +31,7 @@ from tensorhooks.testing import (
     programs,
 )
 
-from .kinds import FIRST_KINDS, ONE_THREAD, STATEFUL_SIGNS
+from .kinds import ONE_THREAD, STATEFUL_SIGNS
 from .program_source import regions, root
 
 CONTEXTS: dict[str, Callable[[], contextlib.AbstractContextManager[Any]] | None] = {
@@ -45,7 +45,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     "state": ("state",),
     "policy_inplace": ("inplace", "policy"),
     "reached": ("reached", "outside"),
-    "all": FIRST_KINDS,  # the others: test_stateful_programs.py
+    "all": REGION_KINDS,
 }
 
 
@@ -62,7 +62,7 @@ def test_tensorhooks_checkpoint_matches_plain_autograd(
     kinds: str, context: str, data: st.DataObject
 ) -> None:
     """Every kind of region gives plain autograd's results, its in-place error, or save-time's."""
-    program = data.draw(programs(checkpoint=KINDS[kinds], backwards=ONE_THREAD), label="program")
+    program = data.draw(programs(checkpoint=KINDS[kinds]), label="program")
     assume(check_checkpoint(program, context_factory=CONTEXTS[context]))
 
 

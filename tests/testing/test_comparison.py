@@ -20,8 +20,6 @@ from tensorhooks.testing import (
     programs,
 )
 
-from .kinds import FIRST_KINDS, ONE_THREAD
-
 Factory = Any
 
 
@@ -122,7 +120,7 @@ def test_a_wrong_gradient_of_the_same_program_fails() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(CORRECT))
-@given(program=programs(checkpoint=FIRST_KINDS, backwards=ONE_THREAD))
+@given(program=programs(checkpoint=True))
 def test_correct_contexts_pass_on_checkpointed_programs(name: str, program: Program) -> None:
     """The cloning pairs (torch's, the docs') and allow_mutation pass on every kind of region."""
     assume(check_program(program, CORRECT[name]))

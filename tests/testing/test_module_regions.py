@@ -20,8 +20,6 @@ import tensorhooks
 from tensorhooks._testing.hooked import FORWARD_HOOKS, PRE_HOOKS
 from tensorhooks.testing import GradientMismatchError, Program, check_checkpoint, programs
 
-from .kinds import ONE_THREAD
-
 composable = pytest.importorskip("torch.distributed._composable")
 torch_checkpoint_module: Callable[..., Any] = composable.checkpoint
 
@@ -41,7 +39,7 @@ def _global_hooks() -> int:
 
 
 @settings(max_examples=30, deadline=None)
-@given(programs(checkpoint={"module", "outside"}, backwards=ONE_THREAD))
+@given(programs(checkpoint={"module", "outside"}))
 def test_checkpoint_module_matches_plain_autograd(program: Program) -> None:
     """Plain autograd's results, its in-place error, or tensorhooks' refusal; no hook left."""
     hooks = _global_hooks()
@@ -50,7 +48,7 @@ def test_checkpoint_module_matches_plain_autograd(program: Program) -> None:
 
 
 @settings(max_examples=15, deadline=None)
-@given(programs(checkpoint={"module"}, backwards=ONE_THREAD))
+@given(programs(checkpoint={"module"}))
 def test_a_context_around_module_regions(program: Program) -> None:
     """A context around checkpointed modules with hooks changes no gradient."""
     assume(tensorhooks.testing.check_program(program, tensorhooks.allow_mutation_on_saved_tensors))

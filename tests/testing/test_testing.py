@@ -23,8 +23,6 @@ from tensorhooks.testing import (
     programs,
 )
 
-from .kinds import FIRST_KINDS, ONE_THREAD
-
 Factory = Callable[[], contextlib.AbstractContextManager[Any]]
 
 PAIRS: dict[str, tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]] = {
@@ -128,7 +126,7 @@ class TestEveryContext:
 @given(
     st.lists(st.sampled_from(sorted(CONTEXTS)), min_size=1, max_size=3).map(tuple),
     st.booleans(),
-    programs(checkpoint=FIRST_KINDS, backwards=ONE_THREAD),
+    programs(checkpoint=True),
 )
 def test_random_nestings(names: tuple[str, ...], disable: bool, program: Program) -> None:
     """Random nestings of every context, around programs with checkpoint regions, never lie."""
