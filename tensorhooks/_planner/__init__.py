@@ -9,8 +9,13 @@
 - `presets`: the hand choices (no checkpointing, full, save matmuls, offload) as plans.
 - `blocks`: which modules are blocks.
 - `checks`: what planning refuses before profiling, and the state it puts back after.
+- `explain`: what holds a step's peak as the user runs it (`tracing`, `timeline`), the traps
+  in it (`lints`), and the cheapest plan under a budget; `explained` puts it in words,
+  `explain_chart` draws it.
 """
 
+from .explain import explain
+from .explained import Explanation, HeldTensor, Lint
 from .plan import ActivationPlan, ActivationPlanHandle, plan_activations
 from .presets import PRESETS, preset_plan
 from .profiling import StepProfile, profile_step
@@ -21,8 +26,12 @@ __all__ = [
     "ActivationPlan",
     "ActivationPlanHandle",
     "BlockPlan",
+    "Explanation",
+    "HeldTensor",
+    "Lint",
     "PlanReport",
     "StepProfile",
+    "explain",
     "plan_activations",
     "preset_plan",
     "profile_step",
