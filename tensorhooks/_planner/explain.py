@@ -72,7 +72,7 @@ def _layers(model: nn.Module) -> dict[str, str]:
 def _cheapest(
     model: nn.Module,
     step: Callable[[], object],
-    budget: int | float | str,
+    budget: int,
     regions: dict[int, int],
     options: dict[str, object],
 ) -> tuple[ActivationPlan | None, str | None]:
@@ -130,9 +130,8 @@ def explain(
         model: the model ``step`` trains.
         step: runs one forward and backward the way training does (no optimizer step). The
             parameters' ``.grad``, the buffers and the RNG states are put back as they were.
-        budget: bytes (an int), a fraction in (0, 1] of the peak with no checkpointing (a
-            float), or a size with units (``"8GB"``, ``"512MiB"``), as `plan_activations` takes
-            it; None: no plan.
+        budget: bytes (an int), a fraction in (0, 1] of the peak measured here (the step as it
+            runs; a float), or a size with units (``"8GB"``, ``"512MiB"``); None: no plan.
         blocks: the blocks to group by and plan; default: the layers of every stack of
             repeated layers, as `plan_activations` takes them.
         profile: a `StepProfile` of the model without checkpointing of its own, to plan from.
@@ -216,14 +215,14 @@ def _with_plan(
     regions: dict[int, int],
     options: dict[str, object],
 ) -> Explanation:
-    """``explanation`` with the cheapest plan under ``budget``, or why there is none."""
-    plan, note = _cheapest(model, step, budget, regions, options)
+    """``explanation`` with the cheapest plan under ``budget``, or why there is none.
+
+    A fractional budget is a fraction of the peak measured here, the step as it runs.
+    """
+    budget_bytes = budget_in_bytes(budget, explanation.peak_bytes, "explain")
+    plan, note = _cheapest(model, step, budget_bytes, regions, options)
     given = options["profile"]
     used = plan.profile if plan is not None else given if isinstance(given, StepProfile) else None
-    budget_bytes = plan.budget_bytes if plan is not None else None
-    if budget_bytes is None:
-        unplanned = explanation.peak_bytes if used is None else (used.unplanned_peak_bytes or 0)
-        budget_bytes = budget_in_bytes(budget, unplanned, "explain")
     return dataclasses.replace(
         explanation,
         budget_bytes=budget_bytes,

@@ -50,7 +50,13 @@ def _over_the_step(axes: Any, explanation: Explanation, labels: list[str]) -> No
     )
     axes.axvline(explanation.backward_at, color="tab:gray", linestyle=":", linewidth=1)
     if explanation.budget_bytes is not None:
-        axes.axhline(_mib(explanation.budget_bytes), color="black", linestyle="-.", linewidth=1)
+        axes.axhline(
+            _mib(explanation.budget_bytes),
+            color="black",
+            linestyle="-.",
+            linewidth=1,
+            label="budget",
+        )
     axes.set_xlim(0, 1)
     axes.set_xlabel("share of the step (forward, then backward after the dotted line)")
     axes.set_ylabel("held for backward, MiB")

@@ -283,10 +283,17 @@ class Explanation:
             ),
         ]
 
+    def plan_text(self) -> str:
+        """The budget, the cheapest plan under it and what it costs in time, or why there is none.
+
+        Empty without a budget.
+        """
+        return "\n".join(self._plan_lines())
+
     def _plan_lines(self) -> list[str]:
         if self.budget_bytes is None:
             return []
-        lines = ["", f"budget {mib(self.budget_bytes)}:"]
+        lines = [f"budget {mib(self.budget_bytes)}:"]
         if self.peak_bytes <= self.budget_bytes:
             lines.append("the step as it runs fits the budget.")
         if self.plan is None:
@@ -317,7 +324,8 @@ class Explanation:
                 lines.extend(
                     textwrap.wrap(lint.message, _WIDTH, initial_indent="- ", subsequent_indent="  ")
                 )
-        lines.extend(self._plan_lines())
+        if self.budget_bytes is not None:
+            lines.extend(["", *self._plan_lines()])
         return "\n".join(lines)
 
     def __repr__(self) -> str:
