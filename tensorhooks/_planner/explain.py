@@ -23,6 +23,7 @@ from .explained import Explanation, HeldTensor
 from .lints import LintInputs, find_lints
 from .plan import ActivationPlan, plan_activations
 from .profiling import StepProfile, check_step
+from .ranks import largest
 from .recording import device_of
 from .timeline import finish, replay
 from .tracing import Interval, Trace, display_name, traced
@@ -131,7 +132,8 @@ def explain(
         step: runs one forward and backward the way training does (no optimizer step). The
             parameters' ``.grad``, the buffers and the RNG states are put back as they were.
         budget: bytes (an int), a fraction in (0, 1] of the peak measured here (the step as it
-            runs; a float), or a size with units (``"8GB"``, ``"512MiB"``); None: no plan.
+            runs; under FSDP2 the largest over the ranks; a float), or a size with units
+            (``"8GB"``, ``"512MiB"``); None: no plan.
         blocks: the blocks to group by and plan; default: the layers of every stack of
             repeated layers, as `plan_activations` takes them.
         profile: a `StepProfile` of the model without checkpointing of its own, to plan from.
@@ -217,9 +219,11 @@ def _with_plan(
 ) -> Explanation:
     """``explanation`` with the cheapest plan under ``budget``, or why there is none.
 
-    A fractional budget is a fraction of the peak measured here, the step as it runs.
+    A fractional budget is a fraction of the peak measured here, the step as it runs; under
+    FSDP2 of the largest over the ranks, so that they all plan for one budget (a collective).
     """
-    budget_bytes = budget_in_bytes(budget, explanation.peak_bytes, "explain")
+    reference = largest(explanation.peak_bytes, model)
+    budget_bytes = budget_in_bytes(budget, reference, "explain")
     plan, note = _cheapest(model, step, budget_bytes, regions, options)
     given = options["profile"]
     used = plan.profile if plan is not None else given if isinstance(given, StepProfile) else None
