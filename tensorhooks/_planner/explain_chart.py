@@ -5,13 +5,46 @@ matplotlib is imported here only, when a chart is drawn: it comes with the ``cli
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from .explained import Explanation
+__all__ = ["KINDS", "Drawn", "draw"]
 
-__all__ = ["KINDS", "draw"]
+
+class _Held(Protocol):
+    @property
+    def block(self) -> str | None: ...
+    @property
+    def status(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def nbytes(self) -> int: ...
+
+
+class Drawn(Protocol):
+    """What a chart is drawn from: an `Explanation` (this module does not import it)."""
+
+    @property
+    def device(self) -> str: ...
+    @property
+    def peak_bytes(self) -> int: ...
+    @property
+    def peak_at(self) -> float: ...
+    @property
+    def backward_at(self) -> float: ...
+    @property
+    def budget_bytes(self) -> int | None: ...
+    @property
+    def blocks(self) -> tuple[str, ...]: ...
+    @property
+    def timeline(self) -> tuple[tuple[float, tuple[int, ...]], ...]: ...
+    @property
+    def held(self) -> Sequence[_Held]: ...
+    @property
+    def attributed_fraction(self) -> float: ...
+
 
 KINDS = ("saved", "input", "policy", "recomputed")
 """The kinds of device bytes the peak's bars are split into, in this order."""
@@ -28,7 +61,7 @@ def _mib(nbytes: float) -> float:
     return nbytes / (1 << 20)
 
 
-def _over_the_step(axes: Any, explanation: Explanation, labels: list[str]) -> None:
+def _over_the_step(axes: Any, explanation: Drawn, labels: list[str]) -> None:
     """Device bytes held per block over the step, stacked; the peak and the backward marked."""
     import matplotlib as mpl  # noqa: PLC0415  # the cli extra
 
@@ -65,7 +98,7 @@ def _over_the_step(axes: Any, explanation: Explanation, labels: list[str]) -> No
         axes.legend(fontsize=7, loc="upper left")
 
 
-def _at_the_peak(axes: Any, explanation: Explanation, labels: list[str]) -> None:
+def _at_the_peak(axes: Any, explanation: Drawn, labels: list[str]) -> None:
     """One horizontal bar per block: what it holds at the peak, by kind."""
     blocks = list(explanation.blocks)
     totals = {(label, kind): 0 for label in labels for kind in KINDS}
@@ -88,7 +121,7 @@ def _at_the_peak(axes: Any, explanation: Explanation, labels: list[str]) -> None
     axes.legend(fontsize=7, loc="lower right")
 
 
-def draw(explanation: Explanation, path: Path) -> Path:
+def draw(explanation: Drawn, path: Path) -> Path:
     """Draw ``explanation`` to ``path``: the step on the left, the peak by block on the right."""
     from matplotlib.figure import Figure  # noqa: PLC0415  # the cli extra, slow to import
 
