@@ -24,7 +24,6 @@ from .lints import LintInputs, find_lints
 from .plan import ActivationPlan, plan_activations
 from .profiling import StepProfile, check_step
 from .ranks import largest
-from .recording import device_of
 from .timeline import finish, replay
 from .tracing import Interval, Trace, display_name, traced
 
@@ -59,6 +58,14 @@ def _held(trace: Trace, interval: Interval, blocks: Sequence[str]) -> HeldTensor
         saved_at=min(interval.start / end, 1.0),
         freed_at=1.0 if interval.end is None else min(interval.end / end, 1.0),
     )
+
+
+def _device(model: nn.Module) -> str:
+    """Where the model computes: the first accelerator a parameter or buffer is on, or the CPU."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.device.type != "cpu":
+            return str(tensor.device)
+    return "cpu"
 
 
 def _layers(model: nn.Module) -> dict[str, str]:
@@ -176,9 +183,10 @@ def explain(
     )
     first_backward = next((op.tick for op in trace.ops if op.backward), trace.end)
     end = max(trace.end, 1)
-    lints = find_lints(LintInputs(trace, regions, _layers(model), held, replayed.peak))
+    layers = _layers(model)
+    lints = find_lints(LintInputs(trace, regions, layers, held, replayed.peak))
     explanation = Explanation(
-        device=str(device_of(model, None)),
+        device=_device(model),
         peak_bytes=replayed.peak,
         host_peak_bytes=replayed.host_peak,
         peak_at=replayed.peak_tick / end,
@@ -192,6 +200,7 @@ def explain(
             and (tensor.module != _OUTSIDE or tensor.op != "(input)")
         ),
         blocks=tuple(block_names),
+        layers=tuple(layers),
         lints=tuple(lints),
         timeline=tuple(
             (tick / end, parts) for tick, parts in zip(replayed.ticks, replayed.parts, strict=True)

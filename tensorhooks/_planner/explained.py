@@ -112,14 +112,17 @@ def _pattern(name: str, blocks: Sequence[str]) -> str:
     return name
 
 
-def grouped_rows(held: Sequence[HeldTensor], blocks: Sequence[str]) -> list[Row]:
-    """The tensors of ``held`` on the device, grouped into rows, the most bytes first."""
+def grouped_rows(held: Sequence[HeldTensor], layers: Sequence[str]) -> list[Row]:
+    """The tensors of ``held`` on the device, grouped into rows, the most bytes first.
+
+    Tensors of the ``layers`` of one stack merge (``model.layers.*.mlp``).
+    """
     groups: dict[tuple[str, str, str], list[HeldTensor]] = {}
     for tensor in held:
         if tensor.status == "offloaded":
             continue
         op = tensor.op.removeprefix("aten.")
-        groups.setdefault((_pattern(tensor.module, blocks), op, tensor.kind), []).append(tensor)
+        groups.setdefault((_pattern(tensor.module, layers), op, tensor.kind), []).append(tensor)
     rows = [
         Row(
             module=module,
@@ -204,6 +207,17 @@ class Explanation:
     most 80 columns), the traps found with their fixes, and the cheapest plan under the budget.
     `save_chart` draws the bytes each block holds over the step.
 
+    Example:
+        >>> import torch, tensorhooks
+        >>> model = torch.nn.Sequential(
+        ...     torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+        >>> x = torch.randn(4, 8)
+        >>> explanation = tensorhooks.explain(model, lambda: model(x).sum().backward())
+        >>> [(held.module, held.op, held.status, held.nbytes) for held in explanation.held]
+        [('1', 'aten.tanh', 'saved', 512), ('0', '(input)', 'saved', 128)]
+        >>> explanation.peak_bytes   # tanh's output (4 x 32 floats) and the batch (4 x 8)
+        640
+
     Attributes:
         device: where the step ran.
         peak_bytes: the measured peak of device bytes held for backward, as
@@ -215,6 +229,7 @@ class Explanation:
         held: every storage held at the peak, on the device and offloaded, the most bytes first.
         attributed_bytes: bytes of the peak whose module or op is known.
         blocks: the blocks the chart and the plan go by, in the order the model lists them.
+        layers: the layers of the model's stacks of repeated layers, whose rows merge.
         lints: the traps found (see `Lint`), the costliest first.
         timeline: the step sampled: (share of the step, device bytes held by each block and
             then by everything else).
@@ -235,6 +250,7 @@ class Explanation:
     held: tuple[HeldTensor, ...]
     attributed_bytes: int
     blocks: tuple[str, ...]
+    layers: tuple[str, ...]
     lints: tuple[Lint, ...]
     timeline: tuple[tuple[float, tuple[int, ...]], ...]
     budget_bytes: int | None = None
@@ -250,7 +266,7 @@ class Explanation:
 
     def rows(self) -> list[Row]:
         """The device tensors at the peak grouped by module (layers merged), op and status."""
-        return grouped_rows(self.held, self.blocks)
+        return grouped_rows(self.held, self.layers)
 
     def save_chart(self, path: str | Path) -> Path:
         """Draw the bytes each block holds over the step, and what is held at the peak.

@@ -386,8 +386,11 @@ class Trace:
         backward = current_graph_task_id() != -1
         if any(storage_key(item) == key for item in found):
             pair.identity += 0 if pair.offloader else 1
-            where = HOST if pair.offloader else DEVICE
-            status = OFFLOADED if pair.offloader else (RECOMPUTED if backward else SAVED)
+            # save_on_cpu keeps a tensor already in host memory as it is (and a tiny one on the
+            # device, where it stays): the first is offloaded, as the planner counts it.
+            host = pair.offloader and tensor.device.type == "cpu"
+            where = HOST if host else DEVICE
+            status = OFFLOADED if host else (RECOMPUTED if backward else SAVED)
             return self.hold(key, nbytes, where, self.site(key, status, pair.name))
         if pair.offloader and not found:  # save_on_cpu's own record of a host copy
             found = [tensor.new_empty(0, device="cpu")]

@@ -319,3 +319,27 @@ def test_chart_is_drawn(tmp_path: Path) -> None:
     model = stack()
     path = th.explain(model, stepper(model), 0.5).save_chart(tmp_path / "chart.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_peak_and_the_offloaded_bytes() -> None:
+    """On a GPU: the planner's unplanned peak; under save_on_cpu, all of it in host memory."""
+    model = stack(width=64, hidden=256).cuda()
+    x = torch.randn(512, 64, device="cuda", requires_grad=True)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+
+    def offloaded() -> None:
+        with th.save_on_cpu(pin_memory=True):
+            step()
+
+    profile = th.profile_step(model, step, rounds=1)
+    explanation = th.explain(model, step)
+    assert explanation.device.startswith("cuda")
+    assert explanation.peak_bytes == profile.unplanned_peak_bytes
+    moved = th.explain(model, offloaded)
+    # Tiny tensors (LayerNorm's statistics) stay on the device; the rest is in host memory.
+    assert moved.peak_bytes < explanation.peak_bytes / 10
+    assert moved.host_peak_bytes > explanation.peak_bytes / 2
