@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils import checkpoint as torch_checkpoint
 
 import tensorhooks as th
-from tensorhooks._core.torch_compat import top_saved_tensors_hooks
+from tensorhooks._core.torch_compat import current_dispatch_mode, top_saved_tensors_hooks
 from tensorhooks._planner.apply import SAVE, Action
 from tensorhooks._planner.recording import measured_peak
 
@@ -220,6 +220,24 @@ def test_model_hooks_and_state_left_as_they_were() -> None:
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))  # type: ignore[arg-type]
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_a_step_that_raises_leaves_no_hook() -> None:
+    """A step raising inside a checkpoint region: its error, and no hook or mode left behind."""
+
+    def broken(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        def region(x: torch.Tensor) -> torch.Tensor:
+            block.up(block.norm(x))
+            raise ValueError("inside the region")
+
+        return torch_checkpoint.checkpoint(region, x, use_reentrant=False)
+
+    model = wrapped(stack(), broken)
+    with pytest.raises(ValueError, match="inside the region"):
+        th.explain(model, stepper(model))
+    assert top_saved_tensors_hooks() is None
+    assert current_dispatch_mode() is None
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
 
 
 def test_a_pair_in_force_before_the_step_keeps_working() -> None:
