@@ -62,8 +62,12 @@ from ._parameter_offload import offload_parameters as offload_parameters
 from ._planner import ActivationPlan as ActivationPlan
 from ._planner import ActivationPlanHandle as ActivationPlanHandle
 from ._planner import BlockPlan as BlockPlan
+from ._planner import Explanation as Explanation
+from ._planner import HeldTensor as HeldTensor
+from ._planner import Lint as Lint
 from ._planner import PlanReport as PlanReport
 from ._planner import StepProfile as StepProfile
+from ._planner import explain as explain
 from ._planner import plan_activations as plan_activations
 from ._planner import profile_step as profile_step
 
@@ -86,15 +90,18 @@ __all__ = [
     "CheckpointError",
     "CheckpointPolicy",
     "CudaTransfer",
+    "Explanation",
     "GradientEdge",
     "GradientSyncError",
     "GraphTaskError",
+    "HeldTensor",
     "HookArgumentTypeError",
     "HookArgumentValueError",
     "InvalidHookArgumentError",
     "InvalidHookModeError",
     "InvalidOffloadOptionError",
     "InvalidSyncArgumentError",
+    "Lint",
     "MutationContext",
     "MutationContextExitedError",
     "Node",
@@ -124,6 +131,7 @@ __all__ = [
     "create_selective_checkpoint_contexts",
     "disable_saved_tensors_hooks",
     "distributed",
+    "explain",
     "get_gradient_edge",
     "increment_version",
     "is_recomputing",

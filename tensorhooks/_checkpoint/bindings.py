@@ -1,8 +1,8 @@
 """Bindings a region finds by name, and recomputation run with them as they were at the call.
 
 The places: a module's ``__dict__`` and ``_buffers``, a closure cell, a global, an item of a list
-or dict (or an attribute of a plain object) held there, a class's attribute. See NOTE [State a
-region reaches] in state.py.
+or dict (or an attribute of a plain object) held there, a class's attribute. See
+NOTE [State a region reaches] in state.py.
 """
 
 from __future__ import annotations

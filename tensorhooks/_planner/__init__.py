@@ -19,8 +19,13 @@ Read top-down: `plan` -> `profiling` -> `recording` -> `summary` -> `costs` / `a
 - `presets`: the hand choices (no checkpointing, full, save matmuls, offload) as plans.
 - `blocks`: which modules are blocks.
 - `ranks`: one plan for every rank under FSDP2.
+- `explain`: what holds a step's peak as the user runs it (`tracing`, `timeline`), the traps
+  in it (`lints`), and the cheapest plan under a budget; `explained` puts it in words,
+  `explain_chart` draws it.
 """
 
+from .explain import explain
+from .explained import Explanation, HeldTensor, Lint
 from .plan import ActivationPlan, ActivationPlanHandle, plan_activations
 from .presets import PRESETS, preset_plan
 from .profiling import StepProfile, profile_step
@@ -31,8 +36,12 @@ __all__ = [
     "ActivationPlan",
     "ActivationPlanHandle",
     "BlockPlan",
+    "Explanation",
+    "HeldTensor",
+    "Lint",
     "PlanReport",
     "StepProfile",
+    "explain",
     "plan_activations",
     "preset_plan",
     "profile_step",

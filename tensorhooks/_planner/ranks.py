@@ -17,7 +17,7 @@ from torch import nn
 from tensorhooks._core.errors import PlanStateError
 from tensorhooks._core.torch_compat import fsdp_meshes
 
-__all__ = ["agreed", "figures", "together"]
+__all__ = ["agreed", "figures", "largest", "together"]
 
 # NOTE [Plans under FSDP2]
 #
@@ -159,6 +159,17 @@ def _all_max(values: torch.Tensor, groups: list[tuple[Any, str]]) -> torch.Tenso
         values = values.to(device)
         torch.distributed.all_reduce(values, torch.distributed.ReduceOp.MAX, group=group)
     return values.cpu()
+
+
+def largest(value: int, model: nn.Module) -> int:
+    """``value``'s largest over the ranks of the meshes sharding ``model``; itself without FSDP2.
+
+    A collective: every rank of those meshes calls it.
+    """
+    groups = _groups(model)
+    if not groups:
+        return value
+    return round(_all_max(torch.tensor([float(value)], dtype=torch.float64), groups)[0].item())
 
 
 def agreed(profile: _Profile, model: nn.Module) -> _Profile:

@@ -12,6 +12,8 @@ Not part of the library's API: it draws with rich and charts with matplotlib, wh
 - `_two_processes`: a function run on two local gloo processes, rank 0's result back.
 - `_demo/`: ``demo``: torch's contexts and tensorhooks' side by side, one case per situation.
 - `_bench/`: ``bench``: every feature timed against torch; a Markdown report and a chart.
+- `_plan/`: ``plan``: the activation planner on the tiny Llama; tables and a chart.
+- `_explain/`: ``explain``: what holds the tiny Llama's activation peak, the traps, a plan.
 """
 
 from ._main import main

@@ -15,11 +15,12 @@ from ._arguments import Parser, Subcommand
 from ._bench.command import BENCH
 from ._demo.command import DEMO
 from ._environment import missing_extras, version
+from ._explain.command import EXPLAIN
 from ._plan.command import PLAN
 
 __all__ = ["SUBCOMMANDS", "main"]
 
-SUBCOMMANDS: tuple[Subcommand, ...] = (DEMO, BENCH, PLAN)
+SUBCOMMANDS: tuple[Subcommand, ...] = (DEMO, BENCH, PLAN, EXPLAIN)
 """Every subcommand, in the order ``--help`` lists them: a new command is one entry here."""
 
 

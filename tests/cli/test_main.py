@@ -31,7 +31,7 @@ class TestCommandLine:
         """`python -m tensorhooks --help` names every command and exits 0."""
         done = self._run("--help")
         assert done.returncode == 0, done.stderr
-        assert "{demo,bench,plan}" in done.stdout
+        assert "{demo,bench,plan,explain}" in done.stdout
 
     @pytest.mark.parametrize(
         ("args", "message"),

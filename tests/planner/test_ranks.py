@@ -22,6 +22,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import tensorhooks as th
 from tensorhooks._core.torch_compat import storage_key
+from tensorhooks._planner import preset_plan
 from tensorhooks._planner.accounting import module_keys
 from tensorhooks._planner.ranks import agreed, figures
 from tests.distributed.torchrun import (
@@ -151,6 +152,34 @@ def _failure(rank: int, mesh: Any) -> dict[str, Any]:
     return {"error": None}
 
 
+def _explained(rank: int, mesh: Any) -> dict[str, Any]:
+    """Each rank explains its own step (uneven shards and inputs), then plans for 60% of it."""
+    model = sharded(make_model(47), mesh)
+    local = batches([9, 5])[rank]
+
+    def step() -> None:
+        model(local).square().sum().backward()
+
+    explanation = th.explain(model, step, 0.6, blocks=list(model))
+    plan = explanation.plan
+    assert plan is not None
+    with plan:
+        step()
+    kept = preset_plan(model, step, "keep", profile=plan.profile)
+    with kept:  # every block kept: this rank's own peak with no checkpointing
+        step()
+    choices = [(b.checkpoint, b.saved, b.offloaded, b.offload_input) for b in plan.blocks]
+    return {
+        "peak": explanation.peak_bytes,
+        "unplanned": kept.measured_peak_bytes,
+        "attributed": explanation.attributed_fraction,
+        "lints": [lint.code for lint in explanation.lints],
+        "budget": explanation.budget_bytes,
+        "plan": zlib.crc32(repr(choices).encode()),  # not its timings: each rank's own
+        "measured": plan.measured_peak_bytes,
+    }
+
+
 def cases(rank: int, world: int) -> dict[str, Any]:
     """One rank of the torchrun launch: every case."""
     assert world == WORLD_SIZE
@@ -163,6 +192,7 @@ def cases(rank: int, world: int) -> dict[str, Any]:
         "failed": _failure(rank, mesh),
         # After a failure the ranks are still in step: the next collective matches.
         "mismatch": _mismatch(rank, mesh),
+        "explained": _explained(rank, mesh),
     }
 
 
@@ -236,6 +266,24 @@ class TestTwoRanks:
         assert "not a submodule" in second["message"]
         assert first["seconds"] < 60
         assert second["seconds"] < 60
+
+    def test_explain_measures_each_ranks_own_peak(self, two_ranks: list[dict[str, Any]]) -> None:
+        """Each rank explains its own peak, gathered parameters left out, all of it attributed."""
+        for rank in two_ranks:
+            explained = rank["explained"]
+            assert explained["peak"] == explained["unplanned"]
+            assert explained["attributed"] >= 0.95
+            assert explained["lints"] == []
+        first, second = (rank["explained"]["peak"] for rank in two_ranks)
+        assert first > second  # 9 rows against 5
+
+    def test_explain_plans_one_budget_for_every_rank(self, two_ranks: list[dict[str, Any]]) -> None:
+        """A fraction is of the largest peak over the ranks: one budget, one plan, which fits."""
+        first, second = (rank["explained"] for rank in two_ranks)
+        assert (first["budget"], first["plan"]) == (second["budget"], second["plan"])
+        assert first["budget"] == int(0.6 * max(first["peak"], second["peak"]))
+        for explained in (first, second):
+            assert explained["measured"] <= explained["budget"]
 
 
 # --- one process: a gloo group of one rank ----------------------------------------------------

@@ -11,6 +11,7 @@ from .checkpoint import (
     CHECKPOINT_WRITE,
 )
 from .distributed import SYNC_GRADIENTS
+from .explain import EXPLAIN
 from .hooks import (
     DISABLE_SAVED_TENSORS_HOOKS,
     MULTI_GRAD_HOOK_FAILED_BACKWARD,
@@ -37,4 +38,5 @@ CASES: tuple[Case, ...] = (
     CHECKPOINT_OFFLOAD_POLICY,
     OFFLOAD_PARAMETERS,
     PLAN_ACTIVATIONS,
+    EXPLAIN,
 )

@@ -1,0 +1,1 @@
+"""``python -m tensorhooks explain``: what holds the tiny Llama's peak, the traps, a plan."""
