@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["describe", "not_written_message", "replaced_message"]
+from tensorhooks._core.guards import modified_message
+
+__all__ = ["changed_message", "describe", "not_written_message", "replaced_message"]
 
 
 def describe(tensor: torch.Tensor) -> str:
@@ -21,8 +23,8 @@ def replaced_message(what: str, now: torch.Tensor, before: torch.Tensor | None) 
         f"{what} came from {describe(now)}{was}, so the recomputed values, and the gradient, "
         "would differ from plain autograd's. Something the checkpointed function reads from "
         "outside its arguments was replaced between the forward pass and backward "
-        "(module.weight = nn.Parameter(...), layers or weights swapped, a module swapped in a "
-        "dict or a global). Replace it after backward, or pass it to checkpoint as an argument."
+        "(module.weight = nn.Parameter(...), weights swapped, layers reordered in a ModuleList). "
+        "Replace it after backward, or pass it to checkpoint as an argument."
     )
 
 
@@ -34,4 +36,19 @@ def not_written_message(name: str) -> str:
         "(tensor.data = ..., or set_ under no_grad), so recomputation would read other values "
         "than the forward pass did. Replace it after backward, or pass it to checkpoint as an "
         "argument."
+    )
+
+
+def changed_message(tensor: torch.Tensor, version: int, what: str) -> str:
+    """The error for a tensor read from outside the arguments and changed in place since.
+
+    ``what``: how the region read it ("reads the weight of a Linear"), completing "the
+    checkpointed function ...".
+    """
+    return modified_message(tensor.type(), list(tensor.shape), tensor._version, version) + (
+        f" Hint: the checkpointed function {what} from outside its arguments, and it was changed "
+        "in place between the forward pass and backward, so recomputation would use the changed "
+        "value. Change it after backward, pass it to checkpoint as an argument, or run the "
+        "forward pass and backward inside tensorhooks.allow_mutation_on_saved_tensors() (which "
+        "keeps its value)."
     )

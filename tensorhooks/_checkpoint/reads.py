@@ -21,7 +21,7 @@ from tensorhooks._core.guards import PackHook, UnpackHook, modified_message
 from tensorhooks._core.moves import moves
 from tensorhooks._core.torch_compat import below_python_modes, sequence_nr, storage_key
 
-from .messages import describe, not_written_message, replaced_message
+from .messages import changed_message, describe, not_written_message, replaced_message
 from .state import tracked_form
 
 __all__ = [
@@ -351,14 +351,7 @@ class GraphReads:
             tensor = leaf.tensor
             if tensor._version != leaf.version:
                 raise SavedTensorModifiedError(
-                    modified_message(
-                        tensor.type(), list(tensor.shape), tensor._version, leaf.version
-                    )
-                    + f" Hint: the checkpointed function reads {namer(tensor)} from outside its "
-                    "arguments, and it was changed in place between the forward pass and backward, "
-                    "so recomputation would use the changed value. Change it after backward, pass "
-                    "it to checkpoint as an argument, or run the forward pass and backward inside "
-                    "tensorhooks.allow_mutation_on_saved_tensors() (which keeps its value)."
+                    changed_message(tensor, leaf.version, f"reads {namer(tensor)}")
                 )
         return []
 
@@ -380,12 +373,7 @@ class GraphReads:
             if tensor._version == saved.version or storage_key(tensor) in substituted:
                 continue
             raise SavedTensorModifiedError(
-                modified_message(tensor.type(), list(tensor.shape), tensor._version, saved.version)
-                + f" Hint: the checkpointed function saved {namer(tensor)}, which it reads from "
-                "outside its arguments, and it was changed in place since, so recomputation "
-                "would read the changed value. Change it after backward, pass it to checkpoint "
-                "as an argument, or run the forward pass and backward inside "
-                "tensorhooks.allow_mutation_on_saved_tensors() (which keeps its value)."
+                changed_message(tensor, saved.version, f"saved {namer(tensor)}, which it reads")
             )
 
     def recomputed(self) -> None:

@@ -34,7 +34,7 @@ from .bindings import (
     slot_items,
     submodules,
 )
-from .messages import describe
+from .messages import changed_message, describe
 
 __all__ = ["CallWatch", "ReachedState", "tracked_form"]
 
@@ -506,12 +506,7 @@ def _check_unchanged(read: _Read) -> None:
     tensor = read.tensor
     if tensor._version != read.version:
         raise SavedTensorModifiedError(
-            modified_message(tensor.type(), list(tensor.shape), tensor._version, read.version)
-            + f" Hint: the checkpointed function reads {read.name()} from outside its arguments, "
-            "and it was changed in place between the forward pass and backward, so "
-            "recomputation would use the changed value. Change it after backward, pass it to "
-            "checkpoint as an argument, or run the forward pass and backward inside "
-            "tensorhooks.allow_mutation_on_saved_tensors() (which keeps its value)."
+            changed_message(tensor, read.version, f"reads {read.name()}")
         )
     if storage_key(tensor) != read.storage and moves(tensor) == read.swaps:
         raise SavedTensorModifiedError(
