@@ -163,6 +163,49 @@ def test_backward_on_another_thread(variant: str, implementation: str) -> None:
     _judge(functools.partial(_threaded, variant), implementation, torch_agrees=True)
 
 
+class _CudaBlock(nn.Module):
+    """Batch norm, a mask built and kept, dropout: state and tensors a region makes, on CUDA."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(8, dtype=torch.float64)
+        self.proj = nn.Linear(8, 8, dtype=torch.float64)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.mask = _causal(h.shape[0]).to(h.device)
+        h = nn.functional.dropout(self.proj(self.norm(h)), 0.25, training=True)
+        return _attend(h, self.mask).tanh()
+
+
+def _on_device(checkpoint: Checkpoint, device: str = "cuda") -> tuple[Results, Results]:
+    """The gradients, and the buffers after the step, of three checkpointed blocks."""
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*(_CudaBlock() for _ in range(3))).to(device)
+    x = torch.randn(16, 8, dtype=torch.float64, device=device, requires_grad=True)
+    h = x
+    for block in blocks:
+        h = checkpoint(block, h)
+    h.pow(2).sum().backward()  # CUDA's backward runs on the device's worker thread
+    state: Results = [t.detach().clone() for t in blocks.buffers()]
+    return [x.grad, *(p.grad for p in blocks.parameters())], state
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_backward_on_the_device_thread() -> None:
+    """On a GPU, where backward runs on a thread of its own: plain autograd's gradients.
+
+    And its batch-norm statistics: torch's recomputation updates them a second time.
+    """
+    grads, state = _on_device(_plain)
+    ours, our_state = _on_device(_ours)
+    _assert_same(ours, grads)
+    _assert_same(our_state, state)
+    theirs, their_state = _on_device(_torch)
+    _assert_same(theirs, grads)
+    assert _differs(their_state, state)
+
+
 # --- 2. tensors the region makes without grad and keeps -----------------------------------------
 
 
