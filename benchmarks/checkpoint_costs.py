@@ -124,7 +124,7 @@ def allocator_bytes(step: Callable[[], None]) -> tuple[int, int, int]:
     gc.disable()
     try:
         with torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True, acc_events=True
         ) as profiler:
             step()
     finally:

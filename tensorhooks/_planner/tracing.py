@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -554,6 +555,9 @@ def _module_hooks(trace: Trace) -> Iterator[None]:
             handle.remove()
 
 
+_SELECTIVE_UNDER_A_PAIR = r"A saved_tensors_hooks context .* selective activation checkpoint"
+
+
 @contextlib.contextmanager
 def _bottom_pair(trace: Trace) -> Iterator[None]:
     """Hold what is saved under no other pair; a pair already in force is taken over instead."""
@@ -572,7 +576,11 @@ def _bottom_pair(trace: Trace) -> Iterator[None]:
         kept = tensor.detach() if is_output_of_saving_node(tensor) else tensor
         return kept, trace.held_as_is(tensor)
 
-    with saved_tensors_hooks(pack, _unpack_kept):
+    with warnings.catch_warnings(), saved_tensors_hooks(pack, _unpack_kept):
+        # torch 2.15 warns that a pair is in force around its selective checkpoint and asks the
+        # caller to choose whether what it saves goes through the pair. This pair is the tracer's
+        # own, not one the step put there: the step runs with torch's default, as without it.
+        warnings.filterwarnings("ignore", _SELECTIVE_UNDER_A_PAIR, FutureWarning)
         top = top_saved_tensors_hooks()
         trace._own = trace._known = None if top is None else top[0]
         yield
