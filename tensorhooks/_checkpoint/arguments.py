@@ -15,7 +15,7 @@ from tensorhooks._core.errors import SavedTensorModifiedError
 from tensorhooks._core.guards import modified_error
 from tensorhooks._core.moves import moves
 from tensorhooks._core.torch_compat import (
-    TorchDispatchMode,
+    UnwrappedDispatchMode,
     below_python_modes,
     make_saved_tensor,
     storage_key,
@@ -354,7 +354,7 @@ class Windows:
 _WINDOWS = frozenset({"aten::as_strided", "aten::as_strided_"})
 
 
-class _WindowGuard(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
+class _WindowGuard(UnwrappedDispatchMode):
     def __init__(self, windows: Windows) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # torch's __init__ is untyped
         self.windows = windows

@@ -27,7 +27,7 @@ from tensorhooks._core.torch_compat import (
     HigherOrderOperator,
     OpOverload,
     OpOverloadPacket,
-    TorchDispatchMode,
+    UnwrappedDispatchMode,
     include_inplace_or_view_key,
     is_cacheable_effect,
     returns_alias,
@@ -372,7 +372,7 @@ def _saving_effects(policy_fn: PolicyFn, ctx: Any, op: Any, *args: Any, **kwargs
     return CheckpointPolicy.MUST_SAVE if replays and is_cacheable_effect(op) else policy
 
 
-class SelectiveForward(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
+class SelectiveForward(UnwrappedDispatchMode):
     """The forward context of selective checkpointing (see NOTE [Selective checkpointing])."""
 
     def __init__(self, plan: _Plan) -> None:
@@ -413,7 +413,7 @@ class SelectiveForward(TorchDispatchMode):  # type: ignore[no-untyped-call]  # u
         return output
 
 
-class SelectiveRecompute(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
+class SelectiveRecompute(UnwrappedDispatchMode):
     """The recomputation context of selective checkpointing: filed outputs are not recomputed."""
 
     def __init__(self, plan: _Plan) -> None:

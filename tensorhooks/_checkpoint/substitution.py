@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from tensorhooks._core.torch_compat import (
-    TorchDispatchMode,
+    UnwrappedDispatchMode,
     below_python_modes,
     op_schema,
     returns_alias,
@@ -146,7 +146,7 @@ class Substitution:
         return _Substitute(self)
 
 
-class _Substitute(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
+class _Substitute(UnwrappedDispatchMode):
     """Reads (and writes) substituted storages from their stand-ins; views pass through."""
 
     def __init__(self, substitution: Substitution) -> None:

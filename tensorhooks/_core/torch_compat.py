@@ -338,10 +338,19 @@ def returns_alias(func: OpOverload) -> tuple[bool, bool]:
     Read from the returns' alias info in its schema: a view (``t``, slicing) returns an alias
     it does not write; an in-place or ``out=`` op returns the input it wrote.
     """
-    returns = op_schema(func).returns
-    aliased = any(result.alias_info is not None for result in returns)
-    writes = any(result.alias_info is not None and result.alias_info.is_write for result in returns)
-    return aliased, writes
+    known = _RETURNS_ALIAS.get(func)
+    if known is None:
+        returns = op_schema(func).returns
+        aliased = any(result.alias_info is not None for result in returns)
+        writes = any(
+            result.alias_info is not None and result.alias_info.is_write for result in returns
+        )
+        known = _RETURNS_ALIAS[func] = (aliased, writes)
+    return known
+
+
+# An operator's schema never changes: what its returns alias is read once per overload.
+_RETURNS_ALIAS: dict[OpOverload, tuple[bool, bool]] = {}
 
 
 def op_call(func: OpOverload) -> Callable[..., Any]:
@@ -406,18 +415,27 @@ def skip_code_in_dynamo(code: Any) -> None:
 
 
 class UnwrappedDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
-    """A TorchDispatchMode whose subclass may keep its handler out of torch's Dynamo wrapper.
+    """A TorchDispatchMode whose handler runs without torch's Dynamo wrapper around it.
 
     TorchDispatchMode wraps each subclass's ``__torch_dispatch__`` in ``torch._disable_dynamo``
     (a Python wrapper that costs about as much per operator as a small handler) unless the
     class's ``_should_skip_dynamo()`` answers False; torch asks once, when the subclass is
-    created. A subclass that passed its handler's code to `skip_code_in_dynamo` sets
-    ``handler_skipped_by_dynamo`` to True, which leaves the wrapper off. The hook is known on
-    torch 2.11 (the oldest release checked); a torch that never asks it wraps or not as it
-    decides, which is correct either way.
+    created. A subclass of this one that defines a handler has the handler's code passed to
+    `skip_code_in_dynamo` (what the wrapper amounts to, at no per-call cost) and sets
+    ``handler_skipped_by_dynamo``, which leaves the wrapper off; a subclass that assigns a
+    function already skipped sets it itself. The hook is known on torch 2.11 (the oldest release
+    checked); a torch that never asks it wraps or not as it decides, which is correct either way.
     """
 
     handler_skipped_by_dynamo = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        handler = cls.__dict__.get("__torch_dispatch__")
+        code = getattr(handler, "__code__", None)
+        if code is not None:
+            skip_code_in_dynamo(code)
+            cls.handler_skipped_by_dynamo = True
+        super().__init_subclass__(**kwargs)  # type: ignore[no-untyped-call]  # untyped in torch
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:

@@ -21,7 +21,7 @@ from tensorhooks._core.errors import PlanStateError
 from tensorhooks._core.guards import is_output_of_saving_node, register_protected_pack_hook
 from tensorhooks._core.torch_compat import (
     OpOverload,
-    TorchDispatchMode,
+    UnwrappedDispatchMode,
     below_python_modes,
     current_autograd_node,
     current_graph_task_id,
@@ -542,7 +542,7 @@ def _flop_registry() -> dict[Any, Any]:
     return dict(flop_registry)
 
 
-class _RecordingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
+class _RecordingMode(UnwrappedDispatchMode):
     """Times every op and hands it to the recorder, charging the recorder its own time."""
 
     def __init__(self, recorder: Recorder) -> None:

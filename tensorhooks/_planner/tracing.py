@@ -24,7 +24,7 @@ from tensorhooks._core.guards import (
 )
 from tensorhooks._core.torch_compat import (
     OpOverload,
-    TorchDispatchMode,
+    UnwrappedDispatchMode,
     current_dispatch_mode,
     current_graph_task_id,
     fsdp2_modules,
@@ -508,7 +508,7 @@ class Trace:
                 return
 
 
-class _TraceMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
+class _TraceMode(UnwrappedDispatchMode):
     """Takes new pairs over before each op of the forward pass, and notes the op."""
 
     def __init__(self, trace: Trace) -> None:
