@@ -420,11 +420,11 @@ class UnwrappedDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     TorchDispatchMode wraps each subclass's ``__torch_dispatch__`` in ``torch._disable_dynamo``
     (a Python wrapper that costs about as much per operator as a small handler) unless the
     class's ``_should_skip_dynamo()`` answers False; torch asks once, when the subclass is
-    created. A subclass of this one that defines a handler has the handler's code passed to
-    `skip_code_in_dynamo` (what the wrapper amounts to, at no per-call cost) and sets
-    ``handler_skipped_by_dynamo``, which leaves the wrapper off; a subclass that assigns a
-    function already skipped sets it itself. The hook is known on torch 2.11 (the oldest release
-    checked); a torch that never asks it wraps or not as it decides, which is correct either way.
+    created. A subclass of this one that defines (or assigns) a handler has the handler's code
+    passed to `skip_code_in_dynamo` (what the wrapper amounts to, at no per-call cost) and sets
+    ``handler_skipped_by_dynamo``, which leaves the wrapper off. The hook is known on torch 2.11
+    (the oldest release checked); a torch that never asks it wraps or not as it decides, which is
+    correct either way.
     """
 
     handler_skipped_by_dynamo = False

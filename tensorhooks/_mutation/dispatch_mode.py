@@ -23,7 +23,6 @@ from tensorhooks._core.torch_compat import (
     current_dispatch_mode,
     next_sequence_nr,
     op_call,
-    skip_code_in_dynamo,
 )
 
 from .context_state import MutationContext
@@ -159,9 +158,6 @@ def _torch_dispatch(
     return call(*args)
 
 
-skip_code_in_dynamo(_torch_dispatch.__code__)
-
-
 class _CloneBeforeWriteMode(UnwrappedDispatchMode):
     """Clones saved tensors that an operator is about to write.
 
@@ -178,8 +174,7 @@ class _CloneBeforeWriteMode(UnwrappedDispatchMode):
     # `foreign_hooks.py`.
     untied: Untied | None = None
 
-    # Dynamo skips the handler's code (above): torch's torch._disable_dynamo wrapper is not needed.
-    handler_skipped_by_dynamo = True
+    # Dynamo skips the handler's code (UnwrappedDispatchMode): no torch._disable_dynamo wrapper.
     __torch_dispatch__ = _torch_dispatch
 
     def __enter__(self) -> Any:
