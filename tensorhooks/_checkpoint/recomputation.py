@@ -305,7 +305,6 @@ class Frame:
             return
         outputs = tensors_in(output)
         graph.walk(outputs, self.start, next_sequence_nr())
-        inputs = [weakref.ref(tensor) for tensor in tensors]
         if self.watch.leaf_storages:
             graph.swapped_by_the_region(self.watch.leaf_storages)
         saved = [(index, ref, version) for index, (ref, version) in enumerate(self.saved)]
@@ -316,7 +315,7 @@ class Frame:
             (leaf.tensor for leaf in graph.leaves.values()),
             (base for _, ref, _ in saved if (base := ref()) is not None and base.is_leaf),
         )
-        self.reached = self.watch.seal(functools.partial(_storages, inputs), leaves)
+        self.reached = self.watch.seal(functools.partial(_storages, tensors), leaves)
         self.watch = None
         returned = {id(tensor) for tensor in outputs}
         for index, ref, version in saved:
@@ -351,6 +350,8 @@ class Frame:
             self.clone_saves |= changed
             _WRITTEN_AFTER_SAVE[self.code] = self.clone_saves
             state.reset()
+            # The first run wrote its stand-ins (an EMA's update): the second reads fresh ones.
+            state.substitution = Substitution(values, verify) if values else None
             self._run_again(state, unpacked(self.inputs()), rebindings)
         state.kept.clear()
         self._verify(state.substitution, verify)
@@ -548,6 +549,6 @@ def _nowhere(tensor: torch.Tensor) -> None:
     return None
 
 
-def _storages(inputs: list[weakref.ref[torch.Tensor]]) -> set[int | None]:
+def _storages(inputs: list[torch.Tensor]) -> set[int | None]:
     """The storages of a region's inputs (read only where a written tensor needs it)."""
-    return {storage_key(tensor) for ref in inputs if (tensor := ref()) is not None}
+    return {storage_key(tensor) for tensor in inputs}

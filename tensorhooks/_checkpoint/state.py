@@ -316,6 +316,7 @@ class CallWatch:
     ) -> ReachedState | None:
         """What the forward pass left: the reads written, the bindings recomputation restores.
 
+        ``input_storages``: the storages of the call's tensors, asked only if it wrote something.
         ``leaves``: the leaves of the region's graph, to find the batch norm modules that the
         region ran below a module it holds (NOTE [State a region reaches]).
         """
@@ -337,9 +338,13 @@ class CallWatch:
             called.seal()
         if not reads and not self._called and not self._cells:
             return None
-        return ReachedState(
-            list(self._called.values()), reads, self._cells, self._pair, input_storages
-        )
+        # Whether the region wrote an argument's storage, decided now: the call's tensors are
+        # alive (a view made for the call, ``checkpoint(f, state[0:1])``, may die with it) and
+        # the storages are those the forward pass wrote (``state.data = ...`` may swap them).
+        written = [read for read in reads if read.written]
+        inputs = input_storages() if written else set()
+        through = next((read for read in written if storage_key(read.tensor) in inputs), None)
+        return ReachedState(list(self._called.values()), reads, self._cells, self._pair, through)
 
     def _norms_below(self, leaves: Iterable[torch.Tensor]) -> None:
         """Batch norm the region ran below a module it holds, found by its weights."""
@@ -384,7 +389,7 @@ def _owner_of(held: torch.nn.Module, parameter: torch.Tensor) -> torch.nn.Module
 class ReachedState:
     """What one region call reached by name, kept for its recomputations."""
 
-    __slots__ = ("_called", "_cells", "_input_storages", "_pair", "_reads")
+    __slots__ = ("_called", "_cells", "_pair", "_reads", "_through_an_argument")
 
     def __init__(
         self,
@@ -392,13 +397,13 @@ class ReachedState:
         reads: list[_Read],
         cells: list[Slot],
         pair: tuple[PackHook, UnpackHook] | None,
-        input_storages: Callable[[], set[int | None]],
+        through_an_argument: _Read | None,
     ) -> None:
         self._called = called
         self._reads = reads
         self._cells = cells
         self._pair = pair
-        self._input_storages = input_storages
+        self._through_an_argument = through_an_argument
 
     def name_of(self, tensor: torch.Tensor) -> str:
         """How the region reached ``tensor``, for a message: a module's attribute, a name."""
@@ -443,13 +448,10 @@ class ReachedState:
         """
         values: list[tuple[torch.Tensor, torch.Tensor]] = []
         verify: list[torch.Tensor] = []
-        inputs: set[int | None] | None = None  # read only if a written tensor needs it
+        if self._through_an_argument is not None:
+            raise _written_through_an_argument(self._through_an_argument)
         for read in self._reads:
             tensor = read.tensor
-            if read.written:
-                inputs = self._input_storages() if inputs is None else inputs
-                if storage_key(tensor) in inputs:
-                    raise _written_through_an_argument(read)
             if read.scratch:
                 values.append((tensor, tensor))
             elif read.before is not None:

@@ -37,7 +37,11 @@ __all__ = ["POLICY_CHOICES", "REGION_KINDS", "Region", "draw_region", "policy_so
 #     call of the op), with ``allow_cache_entry_mutation`` drawn once per program;
 #   - "state": the region writes state in place (``const``, a scalar ``count``, or a value that
 #     needs no gradient) under ``no_grad``, and often reads it back right after: a buffer
-#     written then read, read (saved) then written, a counter. The program then also returns
+#     written then read, read (saved) then written, a counter. Half the time an op reads the
+#     state beside a value the region computed just before the update (an EMA), and the op's
+#     result is then often saved (``sin``), written in place, and read again by an op that
+#     saves it: the first recomputation meets the write and runs again, and both runs must
+#     read the state as it was at the call. The program then also returns
 #     ``const`` and ``count``, so state written twice is seen even where no gradient reads it;
 #   - "reached": an op reads an earlier value through a holder (a list, a tuple, a dict, a
 #     plain object, a global, a module, a ModuleDict), and the program changes what regions
@@ -221,11 +225,28 @@ class _Body:
 
     def state(self) -> None:
         """An in-place write, under ``no_grad``, to outer state (a value needing no gradient)."""
-        draw, outer = self.draw, self.program.scope
+        draw, outer, local = self.draw, self.program.scope, self.local
         candidates = [i for i, flag in enumerate(outer.requires_grad) if not flag]
         index = draw(st.sampled_from(candidates))
+        computed = [i for i, flag in enumerate(local.computed) if flag]
+        read = len(computed) > 0 and draw(st.booleans())
+        if read:  # an EMA: read beside a value of the region (and saved), before its update
+            operand = draw(st.sampled_from(computed))
+            y, other = alias(draw, outer.names[index], outer.dummies[index])
+            name = local.names[operand]
+            expr, result = binary(draw, name, local.dummies[operand], y, other)
+            self._add(expr, result, local.requires_grad[operand])
         target, _ = alias(draw, outer.names[index], outer.dummies[index])
         self._write(write(draw, target, recorded=False), recorded=False)
+        if read and draw(st.booleans()):
+            # The op's result saved (``sin``), written in place, then read by an op saving it
+            # again (so that recomputation goes past the write): the first recomputation meets
+            # the write and runs again, and must read the state as at the call once more.
+            made = len(local.names) - 1
+            self._add(f"torch.sin({local.names[made]})", result, local.requires_grad[made])
+            recorded = local.requires_grad[made] and draw(st.booleans())
+            self._write(write(draw, local.names[made], recorded=recorded), recorded=recorded)
+            self._add(*_product(local, len(local.names) - 1, made))
         self.last_state = index
         self.program.writes_state = True
 
@@ -236,6 +257,16 @@ class _Body:
         name = f"h{len(self.local.names) - self.n_arguments}"
         self.lines.append(f"{name} = {expr}")
         self.result = self.local.add(name, dummy, requires_grad, computed=True)
+
+
+def _product(local: Scope, a: int, b: int) -> tuple[str, torch.Tensor, bool]:
+    """``a * b`` of two of ``local``'s values (``b`` summed where the shapes do not broadcast)."""
+    first, second = local.dummies[a], local.dummies[b]
+    grad = local.requires_grad[a] or local.requires_grad[b]
+    try:
+        return f"{local.names[a]} * {local.names[b]}", first * second, grad
+    except RuntimeError:  # shapes that do not broadcast
+        return f"{local.names[a]} * {local.names[b]}.sum()", first.clone(), grad
 
 
 def policy_source(draw: st.DrawFn) -> list[str]:

@@ -429,6 +429,36 @@ def test_a_block_writing_what_it_saved_recomputes_once_from_its_second_call() ->
     assert runs == [False, True]  # the forward pass, and one recomputation
 
 
+class _EmaThenWrite(torch.nn.Module):
+    """Reads its EMA, updates it, then writes a value it saved: recomputed twice at first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(_double(0, 4, 4))
+        self.register_buffer("ema", torch.ones(4, dtype=torch.float64))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out = (h @ self.weight) * self.ema  # saves the EMA as the forward pass read it
+        with torch.no_grad():
+            self.ema.mul_(0.5).add_(h.mean(0) * 0.5 + 1)
+        b = out * 2
+        c = b.sin()  # saves b
+        b.add_(1)  # then changes b: the first recomputation runs twice
+        return c * b
+
+
+def test_a_block_recomputed_twice_reads_its_state_as_at_the_call_both_times() -> None:
+    """A first recomputation's second run reads the EMA as at the call (it read the first's)."""
+    plain, ours = _EmaThenWrite(), _EmaThenWrite()
+    x = _double(1, 3, 4)
+    for _ in range(2):
+        with tensorhooks.allow_mutation_on_saved_tensors():  # the save-time gradient
+            expected = torch.autograd.grad(plain(x).sum(), [x, plain.weight])
+        got = torch.autograd.grad(checkpoint(ours, x, use_reentrant=False).sum(), [x, ours.weight])
+        assert_same(got, expected)
+        assert_same(ours.ema, plain.ema)  # updated once a step
+
+
 def test_a_read_only_buffer_is_copied_at_its_first_call_only() -> None:
     """No copy of a buffer a block only reads, once the block has run once."""
     module = _Averaged(reads=True)
