@@ -6,7 +6,13 @@ import torch
 
 from tensorhooks._core.guards import modified_message
 
-__all__ = ["changed_message", "describe", "not_written_message", "replaced_message"]
+__all__ = [
+    "changed_message",
+    "describe",
+    "not_written_message",
+    "replaced_message",
+    "saved_then_written_message",
+]
 
 
 def describe(tensor: torch.Tensor) -> str:
@@ -51,4 +57,14 @@ def changed_message(tensor: torch.Tensor, version: int, what: str) -> str:
         "value. Change it after backward, pass it to checkpoint as an argument, or run the "
         "forward pass and backward inside tensorhooks.allow_mutation_on_saved_tensors() (which "
         "keeps its value)."
+    )
+
+
+def saved_then_written_message(tensor: torch.Tensor, version: int, name: str) -> str:
+    """The error for a tensor from outside the arguments that the region saved, then wrote."""
+    return modified_message(tensor.type(), list(tensor.shape), tensor._version, version) + (
+        f" Hint: the checkpointed function saved {name} and then changed it in place in its "
+        "forward pass, as plain autograd would refuse too. Run the forward pass and backward "
+        "inside tensorhooks.allow_mutation_on_saved_tensors() to keep its value, or write to a "
+        "copy."
     )

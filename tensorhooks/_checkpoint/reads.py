@@ -21,7 +21,13 @@ from tensorhooks._core.guards import PackHook, UnpackHook, modified_message
 from tensorhooks._core.moves import moves
 from tensorhooks._core.torch_compat import below_python_modes, sequence_nr, storage_key
 
-from .messages import changed_message, describe, not_written_message, replaced_message
+from .messages import (
+    changed_message,
+    describe,
+    not_written_message,
+    replaced_message,
+    saved_then_written_message,
+)
 from .state import tracked_form
 
 __all__ = [
@@ -159,11 +165,12 @@ _Namer = Callable[[torch.Tensor], str]
 class _Saved:
     """A tensor from outside the region saved at one position, held as a node holds it."""
 
-    __slots__ = ("by_value", "storage", "swaps", "tensor", "version")
+    __slots__ = ("at_end", "by_value", "storage", "swaps", "tensor", "version")
 
     def __init__(self, tensor: torch.Tensor, version: int, *, by_value: bool) -> None:
         self.tensor = tensor
         self.version = version  # when saved
+        self.at_end = tensor._version  # when the forward pass ended
         self.by_value = by_value  # requires no grad: an equal tensor in its place will do
         # ``tensor.data = ...`` swaps the storage, moving no version (a leaf's is watched as such)
         self.storage = storage_key(tensor) if by_value else None
@@ -341,11 +348,7 @@ class GraphReads:
         if self.written_after_save:
             tensor, version = self.written_after_save[0]
             raise SavedTensorModifiedError(
-                modified_message(tensor.type(), list(tensor.shape), tensor._version, version)
-                + f" Hint: the checkpointed function saved {namer(tensor)} and then changed it "
-                "in place in its forward pass, as plain autograd would refuse too. Run the forward "
-                "pass and backward inside tensorhooks.allow_mutation_on_saved_tensors() to keep "
-                "its value, or write to a copy."
+                saved_then_written_message(tensor, version, namer(tensor))
             )
         for leaf in self.leaves.values():
             tensor = leaf.tensor
@@ -372,9 +375,13 @@ class GraphReads:
                 raise SavedTensorModifiedError(not_written_message(namer(tensor)))
             if tensor._version == saved.version or storage_key(tensor) in substituted:
                 continue
-            raise SavedTensorModifiedError(
-                changed_message(tensor, saved.version, f"saved {namer(tensor)}, which it reads")
-            )
+            if saved.at_end != saved.version:  # written by the region itself, after the save
+                message = saved_then_written_message(tensor, saved.version, namer(tensor))
+            else:
+                message = changed_message(
+                    tensor, saved.version, f"saved {namer(tensor)}, which it reads"
+                )
+            raise SavedTensorModifiedError(message)
 
     def recomputed(self) -> None:
         """After a recomputation: its own writes to the leaves (a renormalisation) are its own."""

@@ -35,7 +35,10 @@ __all__ = ["Substitution"]
 # from the stand-ins as well (a copy: recomputation may write the stand-in after saving it).
 #
 # The mode holds the substitution through an attribute, never through a closure that refers to
-# itself: such a cycle would keep every stand-in alive until the collector runs.
+# itself: such a cycle would keep every stand-in alive until the collector runs. The
+# substitution holds the real storages while it lives: a stand-in is found by its storage's
+# address, which the allocator could give to a tensor recomputation makes once the function
+# released the real one (``param.data = gathered.clone()`` in the function).
 #
 # State written with no copy of its value before the write (NOTE [State a region reaches]) gets a
 # stand-in holding the value the write left. Writing it again is harmless (the real tensor is
@@ -59,7 +62,7 @@ def _copy(storage: torch.UntypedStorage) -> torch.UntypedStorage:
 class Substitution:
     """Stand-in storages holding what the forward pass read, for the storages of some tensors."""
 
-    __slots__ = ("reads", "storages", "tensors", "versions")
+    __slots__ = ("reads", "real", "storages", "tensors", "versions")
 
     def __init__(
         self,
@@ -74,6 +77,8 @@ class Substitution:
         }
         self.tensors = tuple(tensor for tensor, _ in values)
         self.versions = tuple(tensor._version for tensor in self.tensors)
+        # Held while the substitution lives (NOTE [Stand-ins for state a region wrote]).
+        self.real = [tensor.untyped_storage() for tensor in self.tensors]
         with below_python_modes(), torch.no_grad():
             for tensor, value in values:
                 key = storage_key(tensor)

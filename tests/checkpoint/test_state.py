@@ -474,3 +474,60 @@ def test_a_read_only_buffer_is_copied_at_its_first_call_only() -> None:
 
     assert clones() >= 1  # the first call copies it, to learn whether the block writes it
     assert clones() == 0
+
+
+def test_state_reached_deeper_saved_then_written_names_the_forward_pass() -> None:
+    """State reached deeper than recorded, saved then written: raises, saying it was in forward.
+
+    A buffer reached through a closure of a closure is not recorded by name, so nothing keeps
+    its value from before the write: backward raises, as plain autograd does.
+    """
+    holder = torch.nn.Module()
+    holder.register_buffer("ema", torch.ones(4, dtype=torch.float64))
+    get = lambda: holder.ema  # noqa: E731  # one level deeper than checkpoint records
+    x = _double(0, 3, 4)
+
+    def region(h: torch.Tensor) -> torch.Tensor:
+        out = h * get()  # saves the buffer
+        with torch.no_grad():
+            get().mul_(0.5)
+        return out
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        region(x).sum().backward()  # plain autograd refuses too
+    out = checkpoint(region, x, use_reentrant=False)
+    with pytest.raises(tensorhooks.SavedTensorModifiedError, match="in its forward pass"):
+        out.sum().backward()
+
+
+def _regathered_step() -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of a region gathering its weight; the weight's gradient and the expected one."""
+    weight = _double(0, 4, 4)
+    full = weight.detach().clone()
+    x = torch.linspace(-1, 1, 16, dtype=torch.float64).reshape(4, 4)
+
+    def region(a: torch.Tensor) -> torch.Tensor:
+        weight.data = full.clone()
+        return ((a + weight) * 0.5).exp()
+
+    with tensorhooks.allow_mutation_on_saved_tensors():
+        out = checkpoint(region, x, use_reentrant=False)
+        weight.grad = torch.ones_like(weight)
+        torch.optim.Adam([weight], lr=0.25, foreach=False).step()
+        weight.grad = None
+        out.sum().backward()
+    assert weight.grad is not None
+    return weight.grad, 0.5 * torch.exp((x + full) * 0.5)
+
+
+def test_a_weight_regathered_in_the_region_and_stepped_before_backward() -> None:
+    """A gathered weight (``w.data = full.clone()``) stepped before backward: right gradient.
+
+    Inside allow_mutation_on_saved_tensors. Recomputation's gather releases the storage the
+    forward pass left, whose value the context kept: a tensor recomputation made next could get
+    its address and read that value instead (a gradient off by up to 0.67, as the allocator
+    chose).
+    """
+    for _ in range(20):  # the allocator's choice of address varies
+        got, expected = _regathered_step()
+        assert_same(got, expected)
