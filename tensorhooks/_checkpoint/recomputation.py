@@ -341,18 +341,15 @@ class Frame:
                 if storage_key(item[0]) not in substituted
             )
             graph.check_saved({storage_key(tensor) for tensor, _ in values}, namer)
-        state.substitution = Substitution(values, verify) if values else None
         rebindings = [] if self.reached is None else self.reached.rebindings()
-        self._run_again(state, inputs, rebindings)
+        self._run_again(state, inputs, rebindings, values, verify)
         changed = state.changed_in_place()
         if changed:
             # See NOTE [Checkpointing on saved-tensor hooks], "In-place writes".
             self.clone_saves |= changed
             _WRITTEN_AFTER_SAVE[self.code] = self.clone_saves
             state.reset()
-            # The first run wrote its stand-ins (an EMA's update): the second reads fresh ones.
-            state.substitution = Substitution(values, verify) if values else None
-            self._run_again(state, unpacked(self.inputs()), rebindings)
+            self._run_again(state, unpacked(self.inputs()), rebindings, values, verify)
         state.kept.clear()
         self._verify(state.substitution, verify)
         state.substitution = None
@@ -373,7 +370,12 @@ class Frame:
         state: _Recomputation,
         inputs: list[torch.Tensor],
         rebindings: list[Rebinding],
+        values: list[tuple[torch.Tensor, torch.Tensor]],
+        verify: list[torch.Tensor],
     ) -> None:
+        # Stand-ins of its own for each run: a run writes them (an EMA's update), and a second
+        # run (a saved value written after its save) must read the state as at the call again.
+        state.substitution = Substitution(values, verify) if values else None
         tensors, windows = self.arguments.as_called(inputs, writable=self.clone_inputs)
         args, kwargs = self.arguments.rebuild(tensors)
         pack, unpack = current_save_guard().wrap(
